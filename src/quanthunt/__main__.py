@@ -1,0 +1,3 @@
+from quanthunt.cli import main
+
+main()

@@ -1,0 +1,31 @@
+"""``quanthunt``: the command line. Each group lives in its own module and owns a Typer
+app; this module joins them. Commands parse options and call the library."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from quanthunt.cli import sandbox
+from quanthunt.errors import QuanthuntError
+
+app = typer.Typer(
+    name="quanthunt",
+    help="Audited training data from LLM API providers: survey, verify, generate, validate.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(sandbox.app, name="sandbox")
+
+
+def main() -> None:
+    """Entry point: user-facing errors become one line on stderr and an exit code."""
+    try:
+        app()
+    except QuanthuntError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,604 @@
+"""The sandbox gateway: OpenRouter's API under ``/api/v1`` and a vLLM-style local
+reference deployment under ``/reference/v1``, over one engine.
+
+Nothing here knows about quanthunt's pipeline: it is just another gateway at a base URL.
+Reply shapes follow OpenRouter's published OpenAPI spec (the tests validate them against
+schemas derived from it); the facts the spec omits (402 ``limit_source``, HTTP 200 with
+``finish_reason: "error"``, ``X-Generation-Id``) follow OpenRouter's docs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import secrets
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from quanthunt.defaults import SANDBOX_GENERATIONS_KEPT
+from quanthunt.sandbox import faults as fault_kinds
+from quanthunt.sandbox.billing import Billing, Refusal, key_digest, key_label
+from quanthunt.sandbox.engine import Completion, Engine
+from quanthunt.sandbox.faults import MisbehavingResponse
+from quanthunt.sandbox.reference_api import reference_routes
+from quanthunt.sandbox.render import error_response, logprob_item, text_deltas
+from quanthunt.sandbox.requests import BadRequest, ChatParams, parse_chat, parse_json_object
+from quanthunt.sandbox.roster import Provider, Roster
+from quanthunt.sandbox.routing import NoEndpoint, route
+from quanthunt.sandbox.sampler import SamplingRequest
+
+
+class TokenBucket:
+    """A provider's rate limit: ``rps`` refill, ``burst`` capacity."""
+
+    def __init__(self, rps: float, burst: int) -> None:
+        self.rps, self.burst = rps, float(burst)
+        self.tokens, self.stamp = float(burst), time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self) -> float:
+        """0 when a request may go now, else seconds until one may."""
+        with self._lock:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rps)
+            self.stamp = now
+            if self.tokens >= 1.0:
+                self.tokens -= 1.0
+                return 0.0
+            return (1.0 - self.tokens) / self.rps
+
+
+@dataclass
+class Stats:
+    """What the sandbox did, for reconciliation and load tests (``/api/v1/sandbox/stats``)."""
+
+    requests: int = 0
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    served: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
+    precisions: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _Call:
+    """One chat/completions call on its way through routing, attempts and billing."""
+
+    key: str
+    reserved: float
+    params: ChatParams
+    prompt_ids: list[int]
+    gen_id: str = field(default_factory=lambda: "gen-" + secrets.token_urlsafe(18))
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    settled: bool = False
+
+
+@dataclass
+class _Reply:
+    provider: Provider
+    completion: Completion
+    usage: dict[str, Any]
+    logprobs: bool
+
+
+class Sandbox:
+    """State of one sandbox process: roster, engine, billing, generations, stats."""
+
+    def __init__(self, roster: Roster, engine: Engine) -> None:
+        self.roster = roster
+        self.engine = engine
+        self.billing = Billing(roster.credits)
+        self.generations: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.rng = random.Random(roster.seed)
+        self.buckets = {p.slug: TokenBucket(p.rate_limit.rps, p.rate_limit.burst) for p in roster.providers if p.rate_limit}
+        self.stats = Stats()
+        self.started = time.time()
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def api_key(self, request: Request) -> str | None:
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        key = key.strip()
+        return key if scheme.lower() == "bearer" and key else None
+
+    def precision_for(self, provider: Provider, params: ChatParams, prompt_ids: list[int]) -> str:
+        """The precision serving this request: the provider's, or a mixture share's.
+        Seeded requests get a deterministic draw, so a seeded probe set repeats."""
+        if not provider.mixture:
+            return provider.precision
+        if params.seed is not None:
+            digest = hashlib.sha256(f"{self.roster.seed}:{provider.slug}:{params.seed}:{prompt_ids}".encode()).digest()
+            u = int.from_bytes(digest[:8], "big") / 2**64
+        else:
+            u = self.rng.random()
+        for precision, share in provider.mixture.items():
+            u -= share
+            if u < 0:
+                return precision
+        return provider.precision
+
+    def remember(self, record: dict[str, Any]) -> None:
+        self.generations[record["id"]] = record
+        while len(self.generations) > SANDBOX_GENERATIONS_KEPT:
+            self.generations.popitem(last=False)
+
+    # -- OpenRouter API ----------------------------------------------------------------
+
+    def endpoint(self, provider: Provider) -> dict[str, Any]:
+        """A ``PublicEndpoint`` as ``/models/{author}/{slug}/endpoints`` lists it."""
+        model = self.roster.model
+        pricing: dict[str, Any] = {
+            "prompt": provider.pricing.prompt,
+            "completion": provider.pricing.completion,
+            "request": provider.pricing.request,
+            "image": "0",
+        }
+        if provider.pricing.discount:
+            pricing["discount"] = provider.pricing.discount
+        if provider.pricing.overrides:
+            pricing["overrides"] = [o.model_dump(exclude_none=True) for o in provider.pricing.overrides]
+        latency_s = provider.latency_ms / 1000
+        tps = provider.throughput_tps
+        return {
+            "name": f"{provider.name} | {model.id}",
+            "model_id": model.id,
+            "model_name": model.name,
+            "context_length": provider.context_length,
+            "pricing": pricing,
+            "provider_name": provider.name,
+            "tag": provider.tag,
+            "quantization": provider.quantization,
+            "max_completion_tokens": provider.max_completion_tokens,
+            "max_prompt_tokens": provider.context_length,
+            "supported_parameters": provider.supported_parameters,
+            "status": provider.status,
+            "uptime_last_30m": provider.uptime_last_30m,
+            "uptime_last_5m": provider.uptime_last_30m,
+            "uptime_last_1d": provider.uptime_last_30m,
+            "supports_implicit_caching": False,
+            "latency_last_30m": {"p50": latency_s, "p75": latency_s * 1.2, "p90": latency_s * 1.5, "p99": latency_s * 2.5},
+            "throughput_last_30m": {"p50": tps, "p75": tps * 0.9, "p90": tps * 0.75, "p99": tps * 0.5},
+        }
+
+    def architecture(self) -> dict[str, Any]:
+        return {
+            "modality": "text->text",
+            "input_modalities": ["text"],
+            "output_modalities": ["text"],
+            "tokenizer": "Other",
+            "instruct_type": "chatml",
+        }
+
+    async def list_models(self, request: Request) -> Response:
+        model = self.roster.model
+        cheapest = min(self.roster.providers, key=lambda p: float(p.pricing.completion))
+        author, slug = model.id.split("/", 1)
+        entry = {
+            "id": model.id,
+            "canonical_slug": model.id,
+            "name": model.name,
+            "created": int(self.started),
+            "description": model.description,
+            "pricing": {
+                "prompt": cheapest.pricing.prompt,
+                "completion": cheapest.pricing.completion,
+                "request": "0",
+                "image": "0",
+            },
+            "context_length": model.context_length,
+            "architecture": self.architecture(),
+            "top_provider": {
+                "context_length": model.context_length,
+                "max_completion_tokens": cheapest.max_completion_tokens,
+                "is_moderated": False,
+            },
+            "per_request_limits": None,
+            "supported_parameters": sorted({p for prov in self.roster.providers for p in prov.supported_parameters}),
+            "default_parameters": {"temperature": None, "top_p": None, "frequency_penalty": None},
+            "supported_voices": None,
+            "links": {"details": f"/api/v1/models/{author}/{slug}/endpoints"},
+        }
+        return JSONResponse({"data": [entry], "total_count": 1, "links": {"next": None}})
+
+    async def list_endpoints(self, request: Request) -> Response:
+        model_id = f"{request.path_params['author']}/{request.path_params['slug']}".lower()
+        model = self.roster.model
+        if model_id != model.id:
+            return error_response(404, f"Model {model_id} not found")
+        return JSONResponse(
+            {
+                "data": {
+                    "id": model.id,
+                    "name": model.name,
+                    "created": int(self.started),
+                    "description": model.description,
+                    "architecture": self.architecture(),
+                    "endpoints": [self.endpoint(p) for p in self.roster.providers],
+                }
+            }
+        )
+
+    async def key_info(self, request: Request) -> Response:
+        key = self.api_key(request)
+        if key is None:
+            return error_response(401, "Missing Authentication header")
+        account = self.billing.account(key)
+        return JSONResponse(
+            {
+                "data": {
+                    "label": key_label(key),
+                    "limit": account.limit,
+                    "limit_remaining": account.remaining,
+                    "limit_reset": None,
+                    "usage": account.usage,
+                    "usage_daily": account.usage,
+                    "usage_weekly": account.usage,
+                    "usage_monthly": account.usage,
+                    "byok_usage": 0.0,
+                    "byok_usage_daily": 0.0,
+                    "byok_usage_weekly": 0.0,
+                    "byok_usage_monthly": 0.0,
+                    "include_byok_in_limit": False,
+                    "is_free_tier": False,
+                    "is_management_key": False,
+                    "is_provisioning_key": False,
+                    "creator_user_id": None,
+                    "rate_limit": {"requests": -1, "interval": "10s", "note": "This field is deprecated and safe to ignore."},
+                }
+            }
+        )
+
+    async def generation(self, request: Request) -> Response:
+        key = self.api_key(request)
+        if key is None:
+            return error_response(401, "Missing Authentication header")
+        gen_id = request.query_params.get("id", "")
+        if not gen_id:
+            return error_response(400, "id is required")
+        record = self.generations.get(gen_id)
+        delay = self.roster.generation_lookup_delay_s
+        if record is None or record["_key"] != key_digest(key) or time.time() - record["_finished"] < delay:
+            return error_response(404, f"Generation {gen_id} not found")
+        return JSONResponse({"data": {k: v for k, v in record.items() if not k.startswith("_")}})
+
+    async def stats_route(self, request: Request) -> Response:
+        key = self.api_key(request)
+        if key is None:
+            return error_response(401, "Missing Authentication header")
+        account = self.billing.account(key)
+        return JSONResponse(
+            {
+                "mode": self.engine.mode,
+                "requests": self.stats.requests,
+                "in_flight": self.stats.in_flight,
+                "peak_in_flight": self.stats.peak_in_flight,
+                "served": dict(self.stats.served),
+                "faults": dict(self.stats.faults),
+                "precisions": dict(self.stats.precisions),
+                "key": {
+                    "usage": account.usage,
+                    "limit": account.limit,
+                    "reserved": account.reserved,
+                    "requests_billed": account.requests_billed,
+                },
+            }
+        )
+
+    async def add_credits(self, request: Request) -> Response:
+        key = self.api_key(request)
+        if key is None:
+            return error_response(401, "Missing Authentication header")
+        try:
+            data = parse_json_object(await request.body())
+        except BadRequest as exc:
+            return error_response(400, str(exc))
+        amount = data.get("add_usd")
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not 0 <= amount < 1e9:
+            return error_response(400, "add_usd must be a non-negative number")
+        account = self.billing.add_credit(key, float(amount))
+        return JSONResponse({"data": {"limit": account.limit, "limit_remaining": account.remaining, "usage": account.usage}})
+
+    async def chat_completions(self, request: Request) -> Response:
+        self.stats.requests += 1
+        self.stats.in_flight += 1
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.stats.in_flight)
+        try:
+            return await self._chat(request)
+        finally:
+            self.stats.in_flight -= 1
+
+    async def _chat(self, request: Request) -> Response:
+        key = self.api_key(request)
+        if key is None:
+            return error_response(401, "Missing Authentication header")
+        try:
+            params = parse_chat(parse_json_object(await request.body()))
+        except BadRequest as exc:
+            return error_response(exc.status, str(exc))
+        if params.model.lower() != self.roster.model.id:
+            return error_response(400, f"{params.model} is not a valid model ID")
+        prompt_ids = self.engine.encode_chat(params.messages)
+        limit = min(self.roster.model.context_length, self.engine.context_length)
+        if len(prompt_ids) + params.max_tokens > limit:
+            return error_response(
+                400,
+                f"This endpoint's maximum context length is {limit} tokens. However, you requested "
+                f"about {len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} of text input, "
+                f"{params.max_tokens} in the output). Please reduce the length of either one.",
+            )
+        try:
+            candidates = route(
+                self.roster,
+                params.preferences,
+                parameters=params.parameters,
+                prompt_tokens=len(prompt_ids),
+                max_tokens=params.max_tokens,
+                rng=self.rng,
+            )
+        except NoEndpoint as exc:
+            if exc.constraint_filtered:
+                return error_response(404, str(exc), availability={"code": "constraint_filtered"})
+            return error_response(503, str(exc))
+        worst = max(p.pricing.cost(len(prompt_ids), params.max_tokens) for p in candidates)
+        try:
+            reserved = self.billing.reserve(key, worst)
+        except Refusal as refusal:
+            headers = {"Retry-After": f"{refusal.retry_after_s:g}"} if refusal.retry_after_s else None
+            return error_response(402, str(refusal), metadata={"limit_source": refusal.limit_source}, headers=headers)
+        call = _Call(key=key, reserved=reserved, params=params, prompt_ids=prompt_ids)
+        try:
+            return await self._attempts(call, candidates)
+        finally:
+            if not call.settled:
+                self.billing.release(key, reserved)
+
+    async def _attempts(self, call: _Call, candidates: list[Provider]) -> Response:
+        """Try each candidate in order until one serves (fallbacks), as OpenRouter does."""
+        failure: Response | None = None
+        for provider in candidates:
+            wait_s = self.buckets[provider.slug].take() if provider.slug in self.buckets else 0.0
+            fault = "rate_limit" if wait_s > 0 else fault_kinds.draw(provider.faults, self.rng)
+            if fault:
+                self.stats.faults[f"{provider.slug}:{fault}"] += 1
+            if fault in fault_kinds.BEFORE_GENERATION:
+                status = fault_kinds.ERROR_STATUS[fault]
+                call.attempts.append(self._attempt(call, provider, status))
+                retry_after = max(wait_s, provider.faults.retry_after_s) if fault == "rate_limit" else None
+                failure = error_response(
+                    status,
+                    fault_kinds.ERROR_MESSAGE[status],
+                    metadata={"provider_name": provider.name, "raw": None},
+                    headers={"Retry-After": f"{retry_after:g}"} if retry_after is not None else None,
+                )
+                continue
+            return await self._serve(call, provider, fault)
+        assert failure is not None
+        return failure
+
+    def _attempt(self, call: _Call, provider: Provider, status: int) -> dict[str, Any]:
+        """One ``provider_responses[]`` entry of the generation record."""
+        return {
+            "id": f"{call.gen_id}-{provider.slug}",
+            "endpoint_id": provider.tag,
+            "model_permaslug": self.roster.model.id,
+            "provider_name": provider.name,
+            "status": status,
+            "latency": round((time.monotonic() - call.started) * 1000, 3),
+            "is_byok": False,
+        }
+
+    async def _serve(self, call: _Call, provider: Provider, fault: str | None) -> Response:
+        params, prompt_ids = call.params, call.prompt_ids
+        precision = self.precision_for(provider, params, prompt_ids)
+        sampling = SamplingRequest(
+            prompt_ids=tuple(prompt_ids),
+            max_tokens=params.max_tokens,
+            temperature=max(params.temperature + provider.temperature_offset, 0.0),
+            top_p=params.top_p,
+            seed=params.seed if params.seed is not None else self.rng.getrandbits(63),
+            top_logprobs=params.top_logprobs if provider.supports_logprobs else 0,
+            stop=params.stop,
+        )
+        if fault == "finish_error":
+            completion = Completion(text="", tokens=[], finish_reason="error", prompt_tokens=len(prompt_ids))
+        else:
+            completion = await self.engine.complete(
+                precision, sampling, pace=(provider.latency_ms / 1000, provider.throughput_tps)
+            )
+        completion_tokens = len(completion.tokens)
+        billed = fault != "connection_reset" and completion_tokens > 0
+        cost = provider.pricing.cost(len(prompt_ids), completion_tokens) if billed else 0.0
+        self.billing.settle(call.key, call.reserved, cost)
+        call.settled = True
+        self.stats.served[provider.slug] += 1
+        self.stats.precisions[precision] += 1
+        status = 200 if fault in (None, "timeout", "malformed_json", "truncated_body") else 502
+        call.attempts.append(self._attempt(call, provider, status))
+        reply = _Reply(
+            provider=provider,
+            completion=completion,
+            usage={
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+                "cost": cost,
+                "is_byok": False,
+                "prompt_tokens_details": {"cached_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": 0},
+            },
+            logprobs=params.logprobs and provider.supports_logprobs,
+        )
+        self.remember(self._generation_record(call, reply))
+        headers = {"X-Generation-Id": call.gen_id}
+        if params.stream:
+            return self._stream(call, reply, headers, fault)
+        raw = json.dumps(self._result(call, reply)).encode()
+        if fault == "malformed_json":
+            return Response(raw[: len(raw) // 3] + b"<!-- upstream error -->", media_type="application/json", headers=headers)
+        if fault == "timeout":
+            return MisbehavingResponse(raw, how="hold", headers=headers, hold_s=provider.faults.timeout_s)  # type: ignore[return-value]
+        if fault == "truncated_body":
+            return MisbehavingResponse(raw, how="truncate", headers=headers)  # type: ignore[return-value]
+        if fault == "connection_reset":
+            return MisbehavingResponse(raw, how="drop", headers=headers)  # type: ignore[return-value]
+        return Response(raw, media_type="application/json", headers=headers)
+
+    def _generation_record(self, call: _Call, reply: _Reply) -> dict[str, Any]:
+        """What ``/generation?id=`` returns (``GenerationResponse.data``); ``_``-keys stay private."""
+        elapsed_ms = round((time.monotonic() - call.started) * 1000, 3)
+        usage, finish = reply.usage, reply.completion.finish_reason
+        return {
+            "id": call.gen_id,
+            "upstream_id": f"chatcmpl-{call.gen_id[4:]}",
+            "total_cost": usage["cost"],
+            "cache_discount": None,
+            "upstream_inference_cost": None,
+            "created_at": datetime.now(UTC).isoformat(),
+            "model": self.roster.model.id,
+            "app_id": None,
+            "streamed": call.params.stream,
+            "cancelled": False,
+            "provider_name": reply.provider.name,
+            "latency": elapsed_ms,
+            "moderation_latency": None,
+            "generation_time": elapsed_ms,
+            "finish_reason": finish,
+            "native_finish_reason": finish,
+            "service_tier": None,
+            "tokens_prompt": usage["prompt_tokens"],
+            "tokens_completion": usage["completion_tokens"],
+            "native_tokens_prompt": usage["prompt_tokens"],
+            "native_tokens_completion": usage["completion_tokens"],
+            "native_tokens_completion_images": None,
+            "native_tokens_reasoning": 0,
+            "native_tokens_cached": 0,
+            "num_media_prompt": None,
+            "num_input_audio_prompt": None,
+            "num_media_completion": None,
+            "num_search_results": None,
+            "num_fetches": None,
+            "web_search_engine": None,
+            "origin": "",
+            "usage": usage["cost"],
+            "is_byok": False,
+            "external_user": None,
+            "api_type": "completions",
+            "preset_id": None,
+            "router": None,
+            "provider_responses": call.attempts,
+            "user_agent": None,
+            "http_referer": None,
+            "data_region": "global",
+            "workspace_id": None,
+            "_key": key_digest(call.key),
+            "_finished": time.time(),
+        }
+
+    def _result(self, call: _Call, reply: _Reply) -> dict[str, Any]:
+        """The ``ChatResult`` body, with OpenRouter's top-level ``provider``."""
+        completion = reply.completion
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": completion.finish_reason,
+            "native_finish_reason": completion.finish_reason,
+            "message": {"role": "assistant", "content": completion.text, "refusal": None, "reasoning": None},
+            "logprobs": {
+                "content": [logprob_item(t, as_ids=call.params.return_token_ids) for t in completion.tokens],
+                "refusal": None,
+            }
+            if reply.logprobs
+            else None,
+        }
+        if completion.finish_reason == "error":
+            choice["error"] = {
+                "code": 502,
+                "message": "Provider returned error",
+                "metadata": {"provider_name": reply.provider.name},
+            }
+        return {
+            "id": call.gen_id,
+            "provider": reply.provider.name,
+            "model": self.roster.model.id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "system_fingerprint": None,
+            "choices": [choice],
+            "usage": reply.usage,
+        }
+
+    def _stream(self, call: _Call, reply: _Reply, headers: dict[str, str], fault: str | None) -> Response:
+        """Server-sent events: one chunk per token, then finish_reason and usage, then [DONE]."""
+        completion, as_ids = reply.completion, call.params.return_token_ids
+        base = {
+            "id": call.gen_id,
+            "provider": reply.provider.name,
+            "model": self.roster.model.id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+        }
+
+        async def events() -> AsyncIterator[str]:
+            for token, piece in zip(completion.tokens, text_deltas(completion), strict=False):
+                choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": piece}, "finish_reason": None}
+                if reply.logprobs:
+                    choice["logprobs"] = {"content": [logprob_item(token, as_ids=as_ids)], "refusal": None}
+                yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
+            if fault == "malformed_json":
+                yield 'data: {"id": "' + call.gen_id + '", "choices": [\n\n'
+            final: dict[str, Any] = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": completion.finish_reason}]}
+            if completion.finish_reason == "error":
+                final["error"] = {"code": 502, "message": "Provider returned error"}
+            if call.params.include_usage_in_stream:
+                final["usage"] = reply.usage
+            yield f"data: {json.dumps(final)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "mode": self.engine.mode, "model": self.roster.model.id})
+
+
+def create_app(roster: Roster, engine: Engine) -> Starlette:
+    """The sandbox as an ASGI app (serve it with uvicorn, or mount it in-process with
+    ``httpx.ASGITransport``)."""
+    sandbox = Sandbox(roster, engine)
+    routes = [
+        Route("/health", sandbox.health),
+        Route("/api/v1/models", sandbox.list_models),
+        Route("/api/v1/models/{author}/{slug}/endpoints", sandbox.list_endpoints),
+        Route("/api/v1/chat/completions", sandbox.chat_completions, methods=["POST"]),
+        Route("/api/v1/generation", sandbox.generation),
+        Route("/api/v1/key", sandbox.key_info),
+        Route("/api/v1/sandbox/stats", sandbox.stats_route),
+        Route("/api/v1/sandbox/credits", sandbox.add_credits, methods=["POST"]),
+        *reference_routes(roster, engine),
+    ]
+    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed, Exception: _crashed})
+    app.state.sandbox = sandbox
+    return app
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(404, f"No route {request.method} {request.url.path}")
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(405, f"Method {request.method} not allowed on {request.url.path}")
+
+
+async def _crashed(request: Request, exc: Exception) -> Response:
+    return error_response(500, f"Internal Server Error ({exc.__class__.__name__})")

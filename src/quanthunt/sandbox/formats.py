@@ -1,0 +1,97 @@
+"""Weight formats a provider may really serve, as fake-quantisation of fp32 weights.
+
+Each function takes a 2-D weight ``[out_features, in_features]`` and returns a tensor of
+the same shape and dtype whose values are exactly representable in the format (the
+dequantised result), so a model built from them computes what a provider serving that
+format computes, up to the provider's kernels. Blocks and groups run along the input
+dimension, as in every inference engine; a ragged last block is zero-padded.
+
+- ``int8``: per-output-channel symmetric, ``scale = amax / 127``, codes in [-127, 127].
+- ``int4-g128``: symmetric groups of 128, ``scale = amax / 7``, codes in [-7, 7].
+- ``nvfp4``: FP4 E2M1 values in 16-element blocks; each block scale is FP8 E4M3, and the
+  whole tensor has an fp32 scale ``amax / (6 * 448)`` so block scales use E4M3's range
+  (NVIDIA's NVFP4 recipe).
+- ``mxfp4``: FP4 E2M1 values in 32-element blocks with a shared power-of-two (E8M0) scale
+  ``2 ** (floor(log2(amax)) - 2)`` (OCP Microscaling spec v1.0, §6.3); values that land
+  above 6 saturate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""The non-negative values FP4 E2M1 can hold (1 sign, 2 exponent, 1 mantissa bit)."""
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest FP4 E2M1 value, ties to even mantissa, saturating at ±6.
+
+    Between 0 and 2 the grid step is 0.5, between 2 and 4 it is 1, above 4 it is 2, so
+    rounding ``|x| / step`` half-to-even (``torch.round``) is round-to-nearest-even.
+    """
+    mag = x.abs()
+    step = torch.where(mag < 2.0, 0.5, torch.where(mag < 4.0, 1.0, 2.0))
+    q = torch.clamp(torch.round(mag / step) * step, max=E2M1_MAX)
+    return torch.copysign(q, x)
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest FP8 E4M3 (``e4m3fn``) value, saturating at ±448."""
+    return torch.clamp(x, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def _blocks(w: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
+    """View ``w`` as ``[out, n_blocks, size]``, zero-padding the input dimension."""
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(w.shape)}")
+    pad = (-w.shape[1]) % size
+    padded = torch.nn.functional.pad(w, (0, pad)) if pad else w
+    return padded.reshape(w.shape[0], -1, size), pad
+
+
+def _unblock(blocks: torch.Tensor, pad: int, like: torch.Tensor) -> torch.Tensor:
+    flat = blocks.reshape(like.shape[0], -1)
+    return (flat[:, : flat.shape[1] - pad] if pad else flat).to(like.dtype)
+
+
+def _safe_divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, x / torch.where(scale > 0, scale, 1.0), 0.0)
+
+
+def int8_per_channel(w: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 with one scale per output channel."""
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    codes = torch.clamp(torch.round(_safe_divide(w, scale)), -127, 127)
+    return (codes * scale).to(w.dtype)
+
+
+def int4_groupwise(w: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """Symmetric int4 with one scale per ``group`` input elements."""
+    blocks, pad = _blocks(w, group)
+    scale = blocks.abs().amax(dim=2, keepdim=True) / 7.0
+    codes = torch.clamp(torch.round(_safe_divide(blocks, scale)), -7, 7)
+    return _unblock(codes * scale, pad, w)
+
+
+def nvfp4(w: torch.Tensor) -> torch.Tensor:
+    """NVFP4: E2M1 values, 16-element blocks, E4M3 block scales, fp32 tensor scale."""
+    blocks, pad = _blocks(w.float(), 16)
+    amax = blocks.abs().amax()
+    tensor_scale = amax / (E2M1_MAX * E4M3_MAX) if amax > 0 else torch.tensor(1.0)
+    block_amax = blocks.abs().amax(dim=2, keepdim=True)
+    block_scale = round_e4m3(block_amax / E2M1_MAX / tensor_scale) * tensor_scale
+    codes = round_e2m1(_safe_divide(blocks, block_scale))
+    return _unblock(codes * block_scale, pad, w)
+
+
+def mxfp4(w: torch.Tensor) -> torch.Tensor:
+    """MXFP4: E2M1 values, 32-element blocks, shared E8M0 (power-of-two) scales."""
+    blocks, pad = _blocks(w.float(), 32)
+    block_amax = blocks.abs().amax(dim=2, keepdim=True)
+    exponent = torch.floor(torch.log2(torch.where(block_amax > 0, block_amax, 1.0))) - 2.0
+    scale = torch.where(block_amax > 0, torch.exp2(torch.clamp(exponent, -127, 127)), 0.0)
+    codes = round_e2m1(_safe_divide(blocks, scale))
+    return _unblock(codes * scale, pad, w)
