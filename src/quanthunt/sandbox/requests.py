@@ -6,10 +6,11 @@ Every problem becomes a ``BadRequest`` whose message names the field, returned a
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from quanthunt.defaults import MAX_TOP_LOGPROBS
 from quanthunt.sandbox.routing import BadPreferences, Preferences, parse_preferences
@@ -28,8 +29,8 @@ class BadRequest(ValueError):
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
         raise BadRequest("Malformed JSON in request body") from None
     if not isinstance(data, dict):
         raise BadRequest("Request body must be a JSON object")

@@ -8,6 +8,7 @@ show them (name, tag, declared quantization, prices, ...); ``precision``, ``mixt
 
 from __future__ import annotations
 
+import functools
 import math
 from importlib import resources
 from pathlib import Path
@@ -17,7 +18,18 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quanthunt.errors import ConfigError
-from quanthunt.sandbox.model import PRECISIONS
+
+PRECISIONS = (
+    "int4-native",
+    "int4-bf16act",
+    "int8",
+    "int4-g128",
+    "nvfp4",
+    "mxfp4",
+    "substitute",
+)
+"""Every true precision the sandbox can serve (see ``model``); ``int4-native`` is the
+reference itself."""
 
 QUANTIZATIONS = ("int4", "int8", "fp4", "mxfp4", "nvfp4", "fp6", "fp8", "mxfp8", "fp16", "bf16", "fp32", "unknown")
 """OpenRouter's ``Quantization`` enum: what a provider may *declare*."""
@@ -65,18 +77,24 @@ class Pricing(_Strict):
     def rates(self, prompt_tokens: int) -> tuple[float, float]:
         """Effective (prompt, completion) USD per token for a request, after overrides
         (later entries win per key) and the discount."""
-        prompt, completion = float(self.prompt), float(self.completion)
-        for override in self.overrides:
-            if prompt_tokens >= override.min_prompt_tokens:
-                prompt = float(override.prompt) if override.prompt is not None else prompt
-                completion = float(override.completion) if override.completion is not None else completion
-        keep = 1.0 - self.discount
-        return prompt * keep, completion * keep
+        return _rates(self, prompt_tokens)
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         """What a request costs in USD."""
         prompt, completion = self.rates(prompt_tokens)
         return prompt_tokens * prompt + completion_tokens * completion + float(self.request) * (1.0 - self.discount)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rates(pricing: Pricing, prompt_tokens: int) -> tuple[float, float]:
+    """Cached: routing asks for every candidate's rates on every request."""
+    prompt, completion = float(pricing.prompt), float(pricing.completion)
+    for override in pricing.overrides:
+        if prompt_tokens >= override.min_prompt_tokens:
+            prompt = float(override.prompt) if override.prompt is not None else prompt
+            completion = float(override.completion) if override.completion is not None else completion
+    keep = 1.0 - pricing.discount
+    return prompt * keep, completion * keep
 
 
 class RateLimit(_Strict):

@@ -174,8 +174,9 @@ def route(
             constraint_filtered=True,
         )
     if prefs.order:
-        ranked = [p for ref in prefs.order for p in candidates if _matches(p, (ref,))]
-        ranked = list(dict.fromkeys(ranked))
+        ranked: list[Provider] = []
+        for ref in prefs.order:
+            ranked += [p for p in candidates if _matches(p, (ref,)) and p not in ranked]
         ordered = ranked + [p for p in candidates if p not in ranked] if prefs.allow_fallbacks else ranked
         if not ordered:
             raise NoEndpoint("None of the providers in provider.order serves this request", constraint_filtered=True)
@@ -192,6 +193,8 @@ def route(
 
 def _load_balanced(candidates: list[Provider], prompt_tokens: int, rng: random.Random) -> list[Provider]:
     """Weighted shuffle, weight = 1 / price² (cheaper endpoints get most traffic)."""
+    if len(candidates) == 1:
+        return list(candidates)
     pool = list(candidates)
     ordered: list[Provider] = []
     while pool:

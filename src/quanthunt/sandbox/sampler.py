@@ -16,18 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class SamplingRequest:
-    """One completion to sample. ``temperature == 0`` means greedy."""
-
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    top_logprobs: int = 0
-    stop: tuple[str, ...] = ()
+from quanthunt.sandbox.engine import SamplingRequest
 
 
 @dataclass

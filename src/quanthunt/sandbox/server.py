@@ -52,7 +52,7 @@ def serve(*, host: str, port: int, roster_path: Path | None, mode: str, allow_re
     import uvicorn
 
     from quanthunt.sandbox.app import create_app
-    from quanthunt.sandbox.engine import Engine, LatencyEngine, ModelEngine
+    from quanthunt.sandbox.engine import Engine, LatencyEngine
     from quanthunt.sandbox.faults import silence_injected_faults
     from quanthunt.sandbox.roster import load_roster
 
@@ -66,8 +66,9 @@ def serve(*, host: str, port: int, roster_path: Path | None, mode: str, allow_re
     _raise_fd_limit()
     engine: Engine
     if mode == "model":
-        precisions = sorted({p.precision for p in roster.providers} | {q for p in roster.providers for q in p.mixture})
-        engine = ModelEngine.load(precisions)
+        from quanthunt.sandbox.model_engine import ModelEngine
+
+        engine = ModelEngine.load()  # other precisions are built on first use (1-4 s each)
     else:
         engine = LatencyEngine()
     sock = bind(host, port)
@@ -85,6 +86,7 @@ def serve(*, host: str, port: int, roster_path: Path | None, mode: str, allow_re
         lifespan="off",
         backlog=8192,
         timeout_keep_alive=30,
+        timeout_graceful_shutdown=2,
     )
     uvicorn.Server(config).run(sockets=[sock])
 

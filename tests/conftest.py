@@ -1,0 +1,6 @@
+"""Shared fixtures live in ``tests/fixtures/``, one module per concern."""
+
+pytest_plugins = [
+    "fixtures.contracts",
+    "fixtures.sandbox",
+]

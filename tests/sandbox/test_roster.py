@@ -1,0 +1,103 @@
+"""Roster files: the default one, prices, and errors that name the file and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from quanthunt.errors import ConfigError
+from quanthunt.sandbox.model import _BUILDERS
+from quanthunt.sandbox.roster import PRECISIONS, Pricing, load_roster, parse_roster
+
+
+def test_every_precision_has_a_builder() -> None:
+    assert set(_BUILDERS) == set(PRECISIONS)
+
+
+def test_default_roster_tells_the_seed_story() -> None:
+    roster = load_roster()
+    truth = {p.slug: (p.quantization, p.precision, p.supports_logprobs) for p in roster.providers}
+    assert truth["moonshotai"] == ("int4", "int4-native", True)
+    assert truth["fireworks"] == ("int4", "int4-bf16act", True)
+    assert truth["together"] == ("nvfp4", "nvfp4", True)
+    assert truth["deepinfra"] == ("fp4", "mxfp4", True)
+    unknown = {slug: precision for slug, (declared, precision, _) in truth.items() if declared == "unknown"}
+    assert sorted(unknown.values()) == ["int4-native", "nvfp4"]
+    assert [slug for slug, (*_, logprobs) in truth.items() if not logprobs] == ["novita"]
+    assert any(p.precision == "substitute" for p in roster.providers)
+
+
+def test_pricing_applies_discount_and_overrides() -> None:
+    pricing = Pricing.model_validate(
+        {
+            "prompt": "0.000001",
+            "completion": "0.000002",
+            "discount": 0.25,
+            "overrides": [{"min_prompt_tokens": 1000, "completion": "0.000004"}],
+        }
+    )
+    assert pricing.rates(10) == pytest.approx((0.75e-6, 1.5e-6))
+    assert pricing.rates(1000) == pytest.approx((0.75e-6, 3e-6))
+    assert pricing.cost(1000, 100) == pytest.approx(1000 * 0.75e-6 + 100 * 3e-6)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("providers: [", "line 1"),
+        ("- just a list", "a roster is a mapping"),
+        ("providers: []", "providers: Tuple should have at least 1 item"),
+        (
+            "providers:\n- {name: A, slug: a, tag: a/x, quantization: int3, precision: int4-native,"
+            " pricing: {prompt: '0', completion: '0'}}",
+            "providers.0.quantization",
+        ),
+        (
+            "providers:\n- {name: A, slug: a, tag: a/x, quantization: int4, precision: fp2,"
+            " pricing: {prompt: '0', completion: '0'}}",
+            "providers.0.precision: Value error, unknown precision 'fp2'",
+        ),
+        (
+            "providers:\n- {name: A, slug: a, tag: a/x, quantization: int4, precision: int4-native,"
+            " pricing: {prompt: 'cheap', completion: '0'}}",
+            "providers.0.pricing.prompt",
+        ),
+        (
+            "providers:\n- {name: A, slug: a, tag: a/x, quantization: int4, precision: int4-native, color: red,"
+            " pricing: {prompt: '0', completion: '0'}}",
+            "providers.0.color: Extra inputs are not permitted",
+        ),
+        (
+            "providers:\n- {name: A, slug: a, tag: a/x, quantization: int4, precision: int4-native,"
+            " mixture: {nvfp4: 1.5}, pricing: {prompt: '0', completion: '0'}}",
+            "providers.0.mixture",
+        ),
+        (
+            "providers:\n- {name: A, slug: a, tag: a/x, quantization: int4, precision: int4-native, status: 3,"
+            " pricing: {prompt: '0', completion: '0'}}",
+            "providers.0.status",
+        ),
+    ],
+)
+def test_bad_roster_names_file_and_field(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_roster(text, source="bad.yaml")
+    assert str(info.value).startswith("bad.yaml:")
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_duplicate_slugs_are_refused() -> None:
+    entry = "{name: %s, slug: a, tag: a/%s, quantization: int4, precision: int4-native, pricing: {prompt: '0', completion: '0'}}"
+    with pytest.raises(ConfigError, match="provider slugs must be unique; repeated: a"):
+        parse_roster(f"providers:\n- {entry % ('A', 'x')}\n- {entry % ('B', 'y')}", source="r.yaml")
+
+
+def test_missing_and_undecodable_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="roster file not found"):
+        load_roster(tmp_path / "nope.yaml")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="cannot read roster"):
+        load_roster(binary)
