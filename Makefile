@@ -27,7 +27,7 @@ install: $(STAMP)
 run: install
 	@git rev-parse --is-inside-work-tree >/dev/null 2>&1 || git init --quiet
 	@[ -d .dvc ] || $(BIN)/dvc init --quiet
-	$(BIN)/dvc repro
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 
 lint: install
 	$(BIN)/ruff check .

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import httpx
+
 SANDBOX_HOST = "127.0.0.1"
 SANDBOX_PORT = 8765
 SANDBOX_MAX_BATCH = 32
@@ -14,5 +16,10 @@ SANDBOX_API_KEY = "sk-quanthunt-sandbox"
 """The fixed key used against the sandbox when ``OPENROUTER_API_KEY`` is unset."""
 SANDBOX_GENERATIONS_KEPT = 500_000
 """Generation records the sandbox keeps for ``/generation?id=`` before forgetting the oldest."""
-MAX_TOP_LOGPROBS = 20
-"""OpenRouter's and OpenAI's upper bound on ``top_logprobs``."""
+
+# -- the gateway client --------------------------------------------------------------
+
+GATEWAY_TIMEOUT = httpx.Timeout(connect=10.0, read=180.0, write=30.0, pool=60.0)
+"""Reads wait long: a provider may take minutes for a long completion."""
+GATEWAY_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=50)
+"""For the survey and verification; generation uses its own transport for 2,000 in flight."""

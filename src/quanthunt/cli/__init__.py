@@ -7,8 +7,9 @@ import sys
 
 import typer
 
-from quanthunt.cli import sandbox
+from quanthunt.cli import sandbox, stages
 from quanthunt.errors import QuanthuntError
+from quanthunt.redaction import redact
 
 app = typer.Typer(
     name="quanthunt",
@@ -18,6 +19,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(sandbox.app, name="sandbox")
+stages.register(app)
 
 
 def main() -> None:
@@ -25,7 +27,7 @@ def main() -> None:
     try:
         app()
     except QuanthuntError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -20,12 +20,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from quanthunt.defaults import MAX_TOP_LOGPROBS
 from quanthunt.errors import SandboxError
 from quanthunt.sandbox.engine import Engine, OutToken, SamplingRequest, TokenInfo
 from quanthunt.sandbox.render import logprob_item
 from quanthunt.sandbox.requests import BadRequest, parse_chat, parse_json_object, parse_messages, parse_stop
 from quanthunt.sandbox.roster import Roster
+from quanthunt.spec import MAX_TOP_LOGPROBS
 
 REFERENCE_PRECISION = "int4-native"
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import orjson
 
-from quanthunt.defaults import MAX_TOP_LOGPROBS
 from quanthunt.sandbox.routing import BadPreferences, Preferences, parse_preferences
+from quanthunt.spec import MAX_TOP_LOGPROBS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = 256

@@ -12,12 +12,12 @@ import functools
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quanthunt.errors import ConfigError
+from quanthunt.spec import ENDPOINT_STATUSES, QUANTIZATIONS
 
 PRECISIONS = (
     "int4-native",
@@ -30,12 +30,6 @@ PRECISIONS = (
 )
 """Every true precision the sandbox can serve (see ``model``); ``int4-native`` is the
 reference itself."""
-
-QUANTIZATIONS = ("int4", "int8", "fp4", "mxfp4", "nvfp4", "fp6", "fp8", "mxfp8", "fp16", "bf16", "fp32", "unknown")
-"""OpenRouter's ``Quantization`` enum: what a provider may *declare*."""
-
-ENDPOINT_STATUSES = (0, -1, -2, -3, -5, -10)
-"""OpenRouter's ``EndpointStatus`` enum; the sandbox routes only to status > -3."""
 
 
 class _Strict(BaseModel):
@@ -155,8 +149,8 @@ class Provider(_Strict):
     slug: str = Field(min_length=1, pattern=r"^[a-z0-9][a-z0-9._-]*$")
     tag: str = Field(min_length=1)
     """Endpoint tag, e.g. ``deepinfra/fp4``; routing accepts the name, slug or tag."""
-    quantization: Literal["int4", "int8", "fp4", "mxfp4", "nvfp4", "fp6", "fp8", "mxfp8", "fp16", "bf16", "fp32", "unknown"]
-    """What the provider *declares*."""
+    quantization: str
+    """What the provider *declares* (OpenRouter's enum, ``unknown`` included)."""
     precision: str
     """What it really serves (hidden from clients)."""
     mixture: dict[str, float] = Field(default_factory=dict)
@@ -183,6 +177,13 @@ class Provider(_Strict):
     def _known_precision(cls, value: str) -> str:
         if value not in PRECISIONS:
             raise ValueError(f"unknown precision {value!r}; known: {', '.join(PRECISIONS)}")
+        return value
+
+    @field_validator("quantization")
+    @classmethod
+    def _known_quantization(cls, value: str) -> str:
+        if value not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {value!r}; OpenRouter's are {', '.join(QUANTIZATIONS)}")
         return value
 
     @field_validator("status")
@@ -291,6 +292,11 @@ def parse_roster(text: str, *, source: str) -> Roster:
         first = exc.errors()[0]
         field = _location(first["loc"]) or "(top level)"
         raise ConfigError(f"{source}: {field}: {first['msg']}") from None
+
+
+def default_roster_path() -> Path:
+    """The roster shipped inside the package, as a file path."""
+    return Path(str(resources.files("quanthunt.sandbox").joinpath(DEFAULT_ROSTER)))
 
 
 def load_roster(path: Path | None = None) -> Roster:

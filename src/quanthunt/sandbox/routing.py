@@ -15,26 +15,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from quanthunt.sandbox.roster import QUANTIZATIONS, Provider, Roster
+from quanthunt.sandbox.roster import Provider, Roster
+from quanthunt.spec import PREFERENCE_KEYS, QUANTIZATIONS
 
-PREFERENCE_KEYS = frozenset(
-    {
-        "allow_fallbacks",
-        "data_collection",
-        "enforce_distillable_text",
-        "ignore",
-        "max_price",
-        "only",
-        "order",
-        "preferred_max_latency",
-        "preferred_min_throughput",
-        "quantizations",
-        "require_parameters",
-        "sort",
-        "zdr",
-    }
-)
-"""``ProviderPreferences`` properties; the spec says ``additionalProperties: false``."""
 SORTS = ("price", "throughput", "latency")
 PARAMETERS_NEEDING_SUPPORT = ("logprobs", "top_logprobs", "seed", "stop", "temperature", "top_p")
 

@@ -1,0 +1,21 @@
+"""The pipeline's stage commands; DVC runs each as a stage's ``cmd``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ParamsOption = Annotated[Path, typer.Option("--params", help="The params file to run with.")]
+
+
+def survey(params: ParamsOption = Path("params.yaml")) -> None:
+    """List the model's providers, apply the policy and plan the budget."""
+    from stages import survey as stage
+
+    stage.main(params)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(rich_help_panel="Pipeline stages")(survey)

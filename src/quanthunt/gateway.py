@@ -1,0 +1,483 @@
+"""A typed async client for OpenRouter's HTTP API (and anything that speaks it: the
+sandbox, a local gateway).
+
+It builds requests exactly as the OpenAPI spec describes them (the contract tests
+validate every body it builds), parses replies into typed objects, and turns every
+failure into a ``GatewayError`` that says what happened without ever carrying the key.
+The transport is a seam: pass ``httpx.ASGITransport(app)`` to mount a gateway
+in-process, or an aiohttp-backed transport for thousands of requests in flight.
+
+Usage::
+
+    async with Gateway("https://openrouter.ai/api/v1", api_key=resolve_api_key(url)) as gw:
+        endpoints = await gw.endpoints("moonshotai/kimi-k2.5")
+"""
+
+from __future__ import annotations
+
+import email.utils
+import ipaddress
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from quanthunt import __version__
+from quanthunt.defaults import GATEWAY_LIMITS, GATEWAY_TIMEOUT, SANDBOX_API_KEY
+from quanthunt.errors import ConfigError, QuanthuntError
+
+API_KEY_ENV = "OPENROUTER_API_KEY"
+
+
+# -- base URLs and keys ---------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_base_url(url: str) -> str:
+    """An https URL, or plain http to a loopback host (the sandbox, a local server).
+
+    Raises ``ValueError`` naming the problem; returns the URL without a trailing slash.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http(s) URL, got {url!r}")
+    if parts.scheme == "http" and not is_loopback(parts.hostname):
+        raise ValueError(f"plain http is only allowed to a loopback host; use https for {parts.hostname}")
+    if parts.username or parts.password:
+        raise ValueError(f"must not carry credentials; the API key comes from {API_KEY_ENV}")
+    return url.rstrip("/")
+
+
+class ApiKey:
+    """An API key that does not show itself in reprs, logs or tracebacks."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "ApiKey(***)"
+
+    __str__ = __repr__
+
+
+def resolve_api_key(base_url: str, env: Mapping[str, str] = os.environ) -> ApiKey:
+    """``OPENROUTER_API_KEY`` when set; the fixed sandbox key for a loopback gateway."""
+    value = env.get(API_KEY_ENV, "").strip()
+    if value:
+        return ApiKey(value)
+    if is_loopback(urlsplit(base_url).hostname or ""):
+        return ApiKey(SANDBOX_API_KEY)
+    raise ConfigError(f"{API_KEY_ENV} is not set: export it to use {urlsplit(base_url).hostname}")
+
+
+# -- errors -----------------------------------------------------------------------------
+
+
+class GatewayError(QuanthuntError):
+    """A request the gateway refused or could not serve.
+
+    ``status`` is the HTTP status (0 when no reply arrived); ``kind`` names the failure
+    for retry policies and error counts: ``http_<status>``, ``limit_source`` values,
+    ``constraint_filtered``, ``timeout``, ``connect``, ``disconnect``, ``malformed``,
+    ``finish_error``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 0,
+        kind: str = "",
+        retry_after_s: float | None = None,
+        generation_id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind or f"http_{status}"
+        self.retry_after_s = retry_after_s
+        self.generation_id = generation_id
+
+
+def retry_after_seconds(value: str | None, *, now: float | None = None) -> float | None:
+    """Parse ``Retry-After``: delta-seconds or an HTTP date. None when absent or invalid."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            moment = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = moment.timestamp() - (now if now is not None else time.time())
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
+
+
+def _error_from(reply: httpx.Response, where: str) -> GatewayError:
+    message, kind = reply.reason_phrase or "error", f"http_{reply.status_code}"
+    try:
+        body = reply.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        error = body["error"]
+        message = str(error.get("message") or message)[:500]
+        metadata = error.get("metadata") if isinstance(error.get("metadata"), dict) else {}
+        availability = error.get("availability") if isinstance(error.get("availability"), dict) else {}
+        if isinstance(metadata.get("limit_source"), str):
+            kind = metadata["limit_source"]
+        if availability.get("code") == "constraint_filtered":
+            kind = "constraint_filtered"
+    return GatewayError(
+        f"{where} answered {reply.status_code}: {message}",
+        status=reply.status_code,
+        kind=kind,
+        retry_after_s=retry_after_seconds(reply.headers.get("retry-after")),
+        generation_id=reply.headers.get("x-generation-id"),
+    )
+
+
+# -- replies ----------------------------------------------------------------------------
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class PricingOverride(_Reply):
+    min_prompt_tokens: int | None = None
+    prompt: str | None = None
+    completion: str | None = None
+
+
+class Pricing(_Reply):
+    prompt: str
+    completion: str
+    request: str | None = None
+    discount: float = 0.0
+    overrides: list[PricingOverride] = Field(default_factory=list)
+
+
+class Percentiles(_Reply):
+    p50: float | None = None
+
+
+class Endpoint(_Reply):
+    """One provider's endpoint for a model (``PublicEndpoint``)."""
+
+    provider_name: str
+    tag: str
+    name: str = ""
+    quantization: str | None = None
+    context_length: int
+    max_completion_tokens: int | None = None
+    pricing: Pricing
+    status: int | None = None
+    uptime_last_30m: float | None = None
+    supported_parameters: list[str] = Field(default_factory=list)
+    latency_last_30m: Percentiles | None = None
+    throughput_last_30m: Percentiles | None = None
+
+    @property
+    def declared_quantization(self) -> str:
+        return self.quantization or "unknown"
+
+    @property
+    def supports_logprobs(self) -> bool:
+        return "logprobs" in self.supported_parameters
+
+    def usd_per_million(self) -> tuple[float, float]:
+        """(prompt, completion) USD per million tokens after the discount, at default conditions."""
+        keep = 1.0 - self.pricing.discount
+        return float(self.pricing.prompt) * 1e6 * keep, float(self.pricing.completion) * 1e6 * keep
+
+
+class _EndpointList(_Reply):
+    id: str
+    endpoints: list[Endpoint]
+
+
+class TopLogprob(_Reply):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(_Reply):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class _Logprobs(_Reply):
+    content: list[TokenLogprob] | None = None
+
+
+class _Message(_Reply):
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+class _Choice(_Reply):
+    message: _Message
+    finish_reason: str | None = None
+    logprobs: _Logprobs | None = None
+    error: dict[str, Any] | None = None
+
+
+class Usage(_Reply):
+    prompt_tokens: int
+    completion_tokens: int
+    cost: float | None = None
+
+
+class _ChatResult(_Reply):
+    id: str
+    model: str
+    provider: str | None = None
+    choices: list[_Choice] = Field(min_length=1)
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    """A chat completion as quanthunt needs it."""
+
+    id: str
+    generation_id: str | None
+    provider: str | None
+    model: str
+    content: str
+    reasoning: str | None
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    usage: Usage | None
+    error: dict[str, Any] | None = None
+
+
+class KeyStatus(_Reply):
+    limit: float | None = None
+    limit_remaining: float | None = None
+    usage: float = 0.0
+
+
+class Generation(_Reply):
+    """``/generation?id=``: what the gateway recorded (and charged) for one request."""
+
+    id: str
+    provider_name: str | None = None
+    total_cost: float = 0.0
+    tokens_prompt: int | None = None
+    tokens_completion: int | None = None
+    finish_reason: str | None = None
+    provider_responses: list[dict[str, Any]] | None = None
+
+
+# -- requests ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Routing:
+    """OpenRouter's ``provider`` object. Unset fields are left out of the request."""
+
+    only: tuple[str, ...] | None = None
+    order: tuple[str, ...] | None = None
+    ignore: tuple[str, ...] | None = None
+    allow_fallbacks: bool | None = None
+    require_parameters: bool | None = None
+    quantizations: tuple[str, ...] | None = None
+    data_collection: str | None = None
+    sort: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def pinned(cls, tag: str) -> Routing:
+        """Exactly one endpoint, no fallbacks, and only if it honours every parameter."""
+        return cls(only=(tag,), allow_fallbacks=False, require_parameters=True)
+
+
+def chat_body(
+    *,
+    model: str,
+    messages: Sequence[Mapping[str, str]],
+    max_tokens: int,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] | None = None,
+    logprobs: bool = False,
+    top_logprobs: int | None = None,
+    routing: Routing | None = None,
+) -> dict[str, Any]:
+    """A ``ChatRequest`` body; only what is set is sent."""
+    body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], "max_tokens": max_tokens}
+    optional = {"temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop) if stop else None}
+    body.update({k: v for k, v in optional.items() if v is not None})
+    if logprobs:
+        body["logprobs"] = True
+        if top_logprobs:
+            body["top_logprobs"] = top_logprobs
+    if routing is not None:
+        body["provider"] = routing.to_json()
+    return body
+
+
+# -- the client -------------------------------------------------------------------------
+
+
+@dataclass
+class Gateway:
+    """An OpenRouter-compatible gateway at ``base_url`` (``.../api/v1``)."""
+
+    base_url: str
+    api_key: ApiKey
+    transport: httpx.AsyncBaseTransport | None = None
+    timeout: httpx.Timeout = field(default_factory=lambda: GATEWAY_TIMEOUT)
+    limits: httpx.Limits = field(default_factory=lambda: GATEWAY_LIMITS)
+
+    def __post_init__(self) -> None:
+        try:
+            self.base_url = check_base_url(self.base_url)
+        except ValueError as exc:
+            raise ConfigError(f"gateway base URL {exc}") from None
+        self.host = urlsplit(self.base_url).netloc
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={
+                "Authorization": f"Bearer {self.api_key.reveal()}",
+                "User-Agent": f"quanthunt/{__version__}",
+                "X-Title": "quanthunt",
+            },
+            transport=self.transport,
+            timeout=self.timeout,
+            limits=self.limits,
+            follow_redirects=False,
+        )
+
+    async def __aenter__(self) -> Gateway:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        where = f"{self.host} {method} {path}"
+        try:
+            reply = await self._client.request(method, path, **kwargs)
+        except httpx.TimeoutException:
+            raise GatewayError(f"{where}: timed out", kind="timeout") from None
+        except httpx.ConnectError as exc:
+            raise GatewayError(f"cannot reach {self.host}: {_reason(exc)}", kind="connect") from None
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise GatewayError(f"{where}: connection dropped ({_reason(exc)})", kind="disconnect") from None
+        except httpx.HTTPError as exc:
+            raise GatewayError(f"{where}: {exc.__class__.__name__}", kind="transport") from None
+        if reply.status_code >= 400:
+            raise _error_from(reply, where)
+        return reply
+
+    @staticmethod
+    def _parse(reply: httpx.Response, model: type[_Reply], where: str) -> Any:
+        try:
+            return model.model_validate_json(reply.content)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field_name = ".".join(str(p) for p in first["loc"]) or "(body)"
+            kind = "malformed" if first["type"] == "json_invalid" else "unexpected_reply"
+            raise GatewayError(
+                f"{where}: unexpected reply ({field_name}: {first['msg']})",
+                status=reply.status_code,
+                kind=kind,
+                generation_id=reply.headers.get("x-generation-id"),
+            ) from None
+
+    async def endpoints(self, model: str) -> list[Endpoint]:
+        """Every provider endpoint the gateway lists for ``model`` (``author/slug``)."""
+        path = f"/models/{model}/endpoints"
+        reply = await self._request("GET", path)
+        try:
+            data = reply.json()["data"]
+        except (ValueError, KeyError, TypeError):
+            raise GatewayError(f"{self.host} GET {path}: unexpected reply (no data object)", kind="malformed") from None
+        try:
+            return _EndpointList.model_validate(data).endpoints
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise GatewayError(
+                f"{self.host} GET {path}: unexpected reply (data.{'.'.join(map(str, first['loc']))}: {first['msg']})",
+                kind="unexpected_reply",
+            ) from None
+
+    async def chat(self, body: Mapping[str, Any]) -> ChatReply:
+        """POST ``/chat/completions`` (non-streamed). A 200 whose choice finished with
+        ``error`` raises ``GatewayError(kind="finish_error")``."""
+        reply = await self._request("POST", "/chat/completions", json=body)
+        where = f"{self.host} POST /chat/completions"
+        result: _ChatResult = self._parse(reply, _ChatResult, where)
+        choice = result.choices[0]
+        generation_id = reply.headers.get("x-generation-id") or result.id
+        if choice.finish_reason == "error":
+            message = str((choice.error or {}).get("message", "provider error"))[:300]
+            raise GatewayError(
+                f"{where}: provider failed ({message})", status=200, kind="finish_error", generation_id=generation_id
+            )
+        return ChatReply(
+            id=result.id,
+            generation_id=generation_id,
+            provider=result.provider,
+            model=result.model,
+            content=choice.message.content or "",
+            reasoning=choice.message.reasoning or choice.message.reasoning_content,
+            finish_reason=choice.finish_reason,
+            logprobs=choice.logprobs.content if choice.logprobs else None,
+            usage=result.usage,
+            error=choice.error,
+        )
+
+    async def generation(self, generation_id: str) -> Generation:
+        reply = await self._request("GET", "/generation", params={"id": generation_id})
+        try:
+            data = reply.json()["data"]
+            return Generation.model_validate(data)
+        except (ValueError, KeyError, TypeError, ValidationError):
+            raise GatewayError(f"{self.host} GET /generation: unexpected reply", kind="unexpected_reply") from None
+
+    async def key(self) -> KeyStatus:
+        reply = await self._request("GET", "/key")
+        try:
+            return KeyStatus.model_validate(reply.json()["data"])
+        except (ValueError, KeyError, TypeError, ValidationError):
+            raise GatewayError(f"{self.host} GET /key: unexpected reply", kind="unexpected_reply") from None
+
+
+def _reason(exc: Exception) -> str:
+    """A short reason without URLs' query strings or headers."""
+    text = str(exc).strip() or exc.__class__.__name__
+    return text.splitlines()[0][:200]

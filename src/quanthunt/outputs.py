@@ -1,0 +1,71 @@
+"""Stage outputs written all-or-nothing.
+
+Each file is staged next to its target (same directory, so the rename is atomic) and
+moved into place only when the whole stage succeeded; on failure the staged files are
+removed and whatever was there before is untouched. No partial file ever looks complete.
+
+Usage::
+
+    with Outputs() as out:
+        out.write_text(Path("reports/survey/providers.csv"), csv_text)
+        out.write_json(Path("reports/survey/budget_plan.json"), plan)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+
+def _stage(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with staged.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return staged
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and an atomic rename."""
+    os.replace(_stage(path, data), path)
+
+
+class Outputs:
+    """A set of files that appear together or not at all."""
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[Path, Path]] = []
+
+    def write_bytes(self, path: Path, data: bytes) -> None:
+        staged = _stage(path, data)
+        self._staged.append((staged, path))
+
+    def write_text(self, path: Path, text: str) -> None:
+        self.write_bytes(path, text.encode("utf-8"))
+
+    def write_json(self, path: Path, data: Any) -> None:
+        self.write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+    def commit(self) -> None:
+        for staged, path in self._staged:
+            os.replace(staged, path)
+        self._staged.clear()
+
+    def discard(self) -> None:
+        for staged, _ in self._staged:
+            staged.unlink(missing_ok=True)
+        self._staged.clear()
+
+    def __enter__(self) -> Outputs:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.discard()

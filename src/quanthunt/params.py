@@ -1,0 +1,174 @@
+"""``params.yaml``, typed. One section per stage plus the shared ones; unknown keys,
+wrong types and impossible values are refused with the file and the field named.
+
+Usage: ``params = load_params(Path("params.yaml"))``
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from quanthunt import gateway
+from quanthunt.errors import ConfigError
+from quanthunt.spec import QUANTIZATIONS
+
+SANDBOX = "sandbox"
+"""A base URL of ``sandbox`` starts the built-in sandbox for the stage's duration."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def check_base_url(value: str) -> str:
+    """``sandbox``, an https URL, or http on a loopback host (a local sandbox or server)."""
+    return value if value == SANDBOX else gateway.check_base_url(value)
+
+
+class Paths(_Section):
+    """Every file the pipeline reads or writes, defined once (dvc.yaml uses ``${paths.*}``)."""
+
+    survey_providers: str = "reports/survey/providers.csv"
+    survey_plan: str = "reports/survey/budget_plan.json"
+    survey_metrics: str = "reports/survey/metrics.json"
+    logs: str = "logs"
+
+
+class Api(_Section):
+    base_url: str = SANDBOX
+    _check = field_validator("base_url")(check_base_url)
+
+
+class Reference(_Section):
+    base_url: str = SANDBOX
+    _check = field_validator("base_url")(check_base_url)
+
+
+class Sandbox(_Section):
+    roster: str | None = None
+    """A roster YAML path; ``null`` is the roster shipped with quanthunt."""
+
+
+class Tracking(_Section):
+    experiment: str = Field(default="quanthunt", min_length=1)
+
+
+class Policy(_Section):
+    """Which providers the survey keeps as candidates."""
+
+    allowed_quantizations: tuple[str, ...] = ("int4", "int8", "fp8", "bf16", "fp16", "fp32", "unknown")
+    """Declared precisions accepted. Declared ``unknown`` stays a candidate: verification decides."""
+    ignore_providers: tuple[str, ...] = ()
+    """Provider names, slugs or tags never to use."""
+    max_prompt_usd_per_m: float | None = Field(default=None, ge=0)
+    max_completion_usd_per_m: float | None = Field(default=None, ge=0)
+    min_uptime: float = Field(default=0.0, ge=0, le=100)
+    """Minimum ``uptime_last_30m`` in percent."""
+    min_status: int = Field(default=-2, le=0)
+    """Lowest endpoint status accepted (0 healthy, -1/-2 degraded, -3 and below down)."""
+    require_logprobs: bool = False
+
+    @field_validator("allowed_quantizations")
+    @classmethod
+    def _known(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for q in value:
+            if q not in QUANTIZATIONS:
+                raise ValueError(f"unknown quantization {q!r}; OpenRouter's are {', '.join(QUANTIZATIONS)}")
+        return value
+
+
+class Budget(_Section):
+    """What the team wants to buy, and with how much money."""
+
+    usd: float = Field(gt=0)
+    datasets: int = Field(ge=1)
+    output_tokens_per_dataset: int = Field(ge=1)
+    input_tokens_per_output_token: float = Field(default=0.0, ge=0)
+    """Prompt tokens sent per output token bought, to estimate input cost (0: ignore it)."""
+
+
+class Survey(_Section):
+    model: str = Field(pattern=r"^[A-Za-z0-9._-]+/[A-Za-z0-9._:-]+$")
+    """OpenRouter model id, ``author/slug``."""
+    policy: Policy = Policy()
+    budget: Budget
+
+
+class Probes(_Section):
+    """The verification probe design (the survey prices it for the budget plan)."""
+
+    prompts: int = Field(default=25, ge=2)
+    completions_per_prompt: int = Field(default=2, ge=1)
+    max_tokens: int = Field(default=32, ge=1)
+    mean_prompt_tokens: int = Field(default=60, ge=1)
+    """Expected prompt length in tokens, for the cost estimate."""
+
+
+class Verify(_Section):
+    probes: Probes = Probes()
+
+
+class Params(_Section):
+    """The whole ``params.yaml``."""
+
+    paths: Paths = Paths()
+    api: Api = Api()
+    reference: Reference = Reference()
+    sandbox: Sandbox = Sandbox()
+    tracking: Tracking = Tracking()
+    survey: Survey
+    verify: Verify = Verify()
+
+    @property
+    def uses_sandbox(self) -> bool:
+        return SANDBOX in (self.api.base_url, self.reference.base_url)
+
+
+def section_digest(section: BaseModel) -> str:
+    """sha256 of a section's resolved values (what a run's params-hash tag holds)."""
+    return hashlib.sha256(json.dumps(section.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def parse_params(data: Any, *, source: str) -> Params:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections (paths, api, survey, ...)")
+    try:
+        return Params.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = first["msg"]
+        if first["type"] == "extra_forbidden":
+            message = "unknown key"
+        value = first.get("input")
+        shown = "" if isinstance(value, dict | list) or first["type"] == "missing" else f" (got {value!r})"
+        if isinstance(value, float) and math.isnan(value):
+            shown = " (got NaN)"
+        raise ConfigError(f"{source}: {_where(first['loc'])}: {message}{shown}") from None
+
+
+def load_params(path: Path) -> Params:
+    """Read and validate ``params.yaml``; every problem is one line naming file and field."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: params file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read params ({exc.__class__.__name__})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML") from None
+    return parse_params(data, source=str(path))

@@ -1,0 +1,25 @@
+"""Facts from OpenRouter's published OpenAPI spec that both the client and the sandbox
+honour (the contract tests check them against the schemas in ``tests/contracts``)."""
+
+from __future__ import annotations
+
+QUANTIZATIONS = ("int4", "int8", "fp4", "mxfp4", "nvfp4", "fp6", "fp8", "mxfp8", "fp16", "bf16", "fp32", "unknown")
+"""The ``Quantization`` enum: what a provider may declare."""
+
+ENDPOINT_STATUSES = (0, -1, -2, -3, -5, -10)
+"""The ``EndpointStatus`` enum; 0 is healthy, lower is worse."""
+
+PREFERENCE_KEYS = frozenset(
+    {
+        "allow_fallbacks", "data_collection", "enforce_distillable_text", "ignore", "max_price",
+        "only", "order", "preferred_max_latency", "preferred_min_throughput", "quantizations",
+        "require_parameters", "sort", "zdr",
+    }
+)  # fmt: skip
+"""``ProviderPreferences`` properties (``additionalProperties: false``)."""
+
+MAX_TOP_LOGPROBS = 20
+"""Upper bound on ``top_logprobs``."""
+
+LIMIT_SOURCES = ("openrouter_in_flight_budget", "openrouter_key_limit", "openrouter_credits")
+"""``error.metadata.limit_source`` values of a 402 (from OpenRouter's docs)."""

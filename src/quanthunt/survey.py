@@ -1,0 +1,186 @@
+"""The survey's computation: which providers are candidates, and what the data costs.
+
+Pure functions of typed inputs (the stage does the I/O): ``apply_policy`` decides per
+endpoint, ``plan_budget`` prices the purchase at the cheapest, median and worst
+candidate, and what the verification probes cost.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from quanthunt.gateway import Endpoint
+from quanthunt.params import Budget, Policy, Probes
+
+CANDIDATE = "candidate"
+PROVIDER_COLUMNS = (
+    "provider", "tag", "declared_quantization", "prompt_usd_per_m", "completion_usd_per_m", "discount",
+    "price_note", "status", "uptime_last_30m", "context_length", "max_completion_tokens", "supports_logprobs",
+    "decision", "reason",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProviderRow:
+    """One line of ``providers.csv``."""
+
+    provider: str
+    tag: str
+    declared_quantization: str
+    prompt_usd_per_m: float
+    completion_usd_per_m: float
+    discount: float
+    price_note: str
+    status: int | None
+    uptime_last_30m: float | None
+    context_length: int
+    max_completion_tokens: int | None
+    supports_logprobs: bool
+    decision: str
+    reason: str
+
+    @property
+    def is_candidate(self) -> bool:
+        return self.decision == CANDIDATE
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _matches(endpoint: Endpoint, refs: Sequence[str]) -> bool:
+    names = {endpoint.provider_name.lower(), endpoint.tag.lower(), endpoint.tag.split("/")[0].lower()}
+    return any(ref.strip().lower() in names for ref in refs)
+
+
+def _exclusion(endpoint: Endpoint, policy: Policy) -> str | None:
+    """Why the policy excludes ``endpoint``, or None. Checks run in a fixed order, so the
+    reason is the first that applies."""
+    prompt, completion = endpoint.usd_per_million()
+    if _matches(endpoint, policy.ignore_providers):
+        return "excluded: ignored by policy"
+    if endpoint.declared_quantization not in policy.allowed_quantizations:
+        return f"excluded: declared {endpoint.declared_quantization}"
+    if endpoint.status is not None and endpoint.status < policy.min_status:
+        return f"excluded: status {endpoint.status}"
+    if policy.min_uptime and (endpoint.uptime_last_30m is None or endpoint.uptime_last_30m < policy.min_uptime):
+        return f"excluded: uptime {endpoint.uptime_last_30m} below {policy.min_uptime:g}"
+    if policy.max_prompt_usd_per_m is not None and prompt > policy.max_prompt_usd_per_m + 1e-12:
+        return "excluded: price above max"
+    if policy.max_completion_usd_per_m is not None and completion > policy.max_completion_usd_per_m + 1e-12:
+        return "excluded: price above max"
+    if policy.require_logprobs and not endpoint.supports_logprobs:
+        return "excluded: no logprobs"
+    return None
+
+
+def apply_policy(endpoints: Sequence[Endpoint], policy: Policy) -> list[ProviderRow]:
+    """One row per endpoint with the policy's decision and its reason."""
+    rows = []
+    for endpoint in endpoints:
+        prompt, completion = endpoint.usd_per_million()
+        overrides = endpoint.pricing.overrides
+        note = ""
+        if overrides:
+            conditions = [f"prompts >= {o.min_prompt_tokens} tokens" for o in overrides if o.min_prompt_tokens is not None]
+            note = "overrides apply: " + ("; ".join(conditions) if conditions else "conditional prices")
+        reason = _exclusion(endpoint, policy)
+        rows.append(
+            ProviderRow(
+                provider=endpoint.provider_name,
+                tag=endpoint.tag,
+                declared_quantization=endpoint.declared_quantization,
+                prompt_usd_per_m=round(prompt, 6),
+                completion_usd_per_m=round(completion, 6),
+                discount=endpoint.pricing.discount,
+                price_note=note,
+                status=endpoint.status,
+                uptime_last_30m=endpoint.uptime_last_30m,
+                context_length=endpoint.context_length,
+                max_completion_tokens=endpoint.max_completion_tokens,
+                supports_logprobs=endpoint.supports_logprobs,
+                decision="excluded" if reason else CANDIDATE,
+                reason=reason or CANDIDATE,
+            )
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """The purchase priced at one candidate's rates."""
+
+    scenario: str
+    provider: str
+    prompt_usd_per_m: float
+    completion_usd_per_m: float
+    output_cost_usd: float
+    input_cost_usd: float
+    total_cost_usd: float
+    within_budget: bool
+    affordable_output_tokens: int
+    """What the budget buys at this completion price, before input-token cost."""
+    affordable_output_tokens_per_dataset: int
+    affordable_with_input_tokens: int
+    """The same, counting ``input_tokens_per_output_token`` of prompt per output token."""
+
+
+def price_scenario(name: str, row: ProviderRow, budget: Budget) -> Scenario:
+    target = budget.datasets * budget.output_tokens_per_dataset
+    output_cost = target * row.completion_usd_per_m / 1e6
+    input_cost = target * budget.input_tokens_per_output_token * row.prompt_usd_per_m / 1e6
+    per_output_token = row.completion_usd_per_m / 1e6
+    with_input = per_output_token + budget.input_tokens_per_output_token * row.prompt_usd_per_m / 1e6
+    affordable = int(budget.usd / per_output_token) if per_output_token > 0 else 0
+    return Scenario(
+        scenario=name,
+        provider=row.provider,
+        prompt_usd_per_m=row.prompt_usd_per_m,
+        completion_usd_per_m=row.completion_usd_per_m,
+        output_cost_usd=round(output_cost, 6),
+        input_cost_usd=round(input_cost, 6),
+        total_cost_usd=round(output_cost + input_cost, 6),
+        within_budget=output_cost + input_cost <= budget.usd,
+        affordable_output_tokens=affordable,
+        affordable_output_tokens_per_dataset=affordable // budget.datasets,
+        affordable_with_input_tokens=int(budget.usd / with_input) if with_input > 0 else 0,
+    )
+
+
+def probe_cost(row: ProviderRow, probes: Probes) -> float:
+    """USD to audit one provider with the verification probe design."""
+    requests = probes.prompts * probes.completions_per_prompt
+    return requests * (probes.mean_prompt_tokens * row.prompt_usd_per_m + probes.max_tokens * row.completion_usd_per_m) / 1e6
+
+
+def plan_budget(rows: Sequence[ProviderRow], budget: Budget, probes: Probes) -> dict[str, Any]:
+    """The budget plan: the purchase at the cheapest, median and worst candidate, what the
+    budget affords, and what auditing every candidate costs."""
+    candidates = sorted((r for r in rows if r.is_candidate), key=lambda r: (r.completion_usd_per_m, r.prompt_usd_per_m))
+    scenarios: list[Scenario] = []
+    if candidates:
+        median = statistics.median_low([r.completion_usd_per_m for r in candidates])
+        median_row = next(r for r in candidates if r.completion_usd_per_m == median)
+        for name, row in (("cheapest", candidates[0]), ("median", median_row), ("worst", candidates[-1])):
+            scenarios.append(price_scenario(name, row, budget))
+    per_provider = {r.provider: round(probe_cost(r, probes), 6) for r in candidates}
+    verification_cost = sum(per_provider.values())
+    return {
+        "budget_usd": budget.usd,
+        "datasets": budget.datasets,
+        "output_tokens_per_dataset": budget.output_tokens_per_dataset,
+        "target_output_tokens": budget.datasets * budget.output_tokens_per_dataset,
+        "input_tokens_per_output_token": budget.input_tokens_per_output_token,
+        "candidates": len(candidates),
+        "scenarios": [asdict(s) for s in scenarios],
+        "verification": {
+            "providers": len(candidates),
+            "requests": len(candidates) * probes.prompts * probes.completions_per_prompt,
+            "cost_usd": round(verification_cost, 6),
+            "per_provider_usd": per_provider,
+        },
+        "budget_after_verification_usd": round(budget.usd - verification_cost, 6),
+        "notes": [f"{r.provider}: {r.price_note}" for r in candidates if r.price_note],
+    }

@@ -1,0 +1,292 @@
+"""Provenance in MLflow: one run per stage execution, all stages of one ``dvc repro``
+under one parent run, every value scrubbed of secrets before it is written.
+
+Tracking URI: ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<repo root>/mlflow.db`` with
+artefacts in ``<repo root>/mlruns``, where the repo root is ``$DVC_ROOT`` (set by DVC)
+or the directory of the params file: never the current directory.
+
+Usage::
+
+    with stage_run("survey", params=params, section=params.survey, root=root) as run:
+        run.log_metrics({"candidates": 5})
+        run.log_artifact(Path("reports/survey/providers.csv"))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from quanthunt import __version__
+from quanthunt.errors import QuanthuntError
+from quanthunt.redaction import redact, redact_data
+
+PARAM_VALUE_LIMIT = 6000
+"""MLflow cuts param values at 6,000 characters."""
+TEXT_SUFFIXES = {".json", ".csv", ".html", ".txt", ".md", ".yaml", ".yml", ".jsonl", ".log"}
+INVOCATION_TAG = "quanthunt.invocation"
+
+
+def repo_root(params_path: Path) -> Path:
+    """``$DVC_ROOT`` when DVC runs the stage, else the directory holding the params file."""
+    if dvc_root := os.environ.get("DVC_ROOT"):
+        return Path(dvc_root).resolve()
+    return params_path.resolve().parent
+
+
+def tracking_uri(root: Path) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
+
+
+def git_state(root: Path) -> tuple[str | None, bool]:
+    """(commit, dirty) of the repository at ``root``; (None, False) outside git."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(  # noqa: S603 - fixed git arguments
+                ["git", *args],  # noqa: S607 - git from PATH, as the user runs it
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return commit, bool(status)
+
+
+def pipeline_invocation() -> str | None:
+    """An id shared by every stage of one pipeline run: ``$QUANTHUNT_PIPELINE_ID``, else
+    the DVC process this stage runs under (host, pid and start time), else None."""
+    if explicit := os.environ.get("QUANTHUNT_PIPELINE_ID"):
+        return explicit
+    pid = os.getppid()
+    for _ in range(12):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return None
+        words = [Path(a.decode(errors="replace")).name for a in argv if a]
+        if "dvc" in words or any(w == "dvc" for w in words[1:3]):
+            return f"{socket.gethostname()}:{pid}:{stat[19]}"
+        pid = int(stat[1])
+        if pid <= 1:
+            return None
+    return None
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"policy": {"min_uptime": 90}}`` → ``{"policy.min_uptime": 90}``."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def file_digest(path: Path) -> str:
+    md5 = hashlib.md5(usedforsecurity=False)
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            md5.update(chunk)
+    return md5.hexdigest()
+
+
+class StageRun:
+    """One MLflow run; every call redacts what it writes."""
+
+    def __init__(self, client: Any, run_id: str, root: Path) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.root = root
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, redact(str(value))[:PARAM_VALUE_LIMIT])
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        flat = flatten(redact_data(dict(params)))
+        entries = [Param(k, json.dumps(v) if isinstance(v, list | dict) else str(v)) for k, v in flat.items()]
+        for start in range(0, len(entries), 100):
+            chunk = entries[start : start + 100]
+            self.client.log_batch(self.run_id, params=[Param(p.key, p.value[:PARAM_VALUE_LIMIT]) for p in chunk])
+
+    def log_metrics(self, metrics: Mapping[str, float | int]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, 0) for k, v in metrics.items() if v is not None]
+        for start in range(0, len(batch), 500):
+            self.client.log_batch(self.run_id, metrics=batch[start : start + 500])
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        """Log a file; text files are redacted on the way."""
+        if path.suffix.lower() not in TEXT_SUFFIXES:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            clean = Path(tmp) / path.name
+            clean.write_text(redact(path.read_text(encoding="utf-8", errors="replace")), encoding="utf-8")
+            self.client.log_artifact(self.run_id, str(clean), artifact_path)
+
+    def log_dict(self, data: Mapping[str, Any], name: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / name
+            target.write_text(json.dumps(redact_data(dict(data)), indent=2, sort_keys=True, default=str), encoding="utf-8")
+            self.client.log_artifact(self.run_id, str(target))
+
+    def log_input(self, path: Path, *, context: str = "input", tags: Mapping[str, str] | None = None) -> str:
+        """Log a file as a dataset input (name, source, md5 digest); returns the digest."""
+        return self._log_dataset(path, context=context, tags=tags)
+
+    def log_output(self, path: Path, *, tags: Mapping[str, str] | None = None) -> str:
+        """Log a produced file as a dataset with context ``output``."""
+        return self._log_dataset(path, context="output", tags=tags)
+
+    def _log_dataset(self, path: Path, *, context: str, tags: Mapping[str, str] | None) -> str:
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+
+        digest = file_digest(path)
+        try:
+            name = str(path.resolve().relative_to(self.root))
+        except ValueError:
+            name = path.name
+        with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local files
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(str(path.resolve()))
+        dataset = MetaDataset(source, name=name, digest=digest[:36])  # type: ignore[abstract]
+        input_tags = [InputTag("mlflow.data.context", context)] + [InputTag(k, redact(v)) for k, v in (tags or {}).items()]
+        self.client.log_inputs(self.run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=input_tags)])
+        return digest
+
+
+def _client(root: Path) -> Any:
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # not "Creating initial MLflow database tables"
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri(root))
+
+
+def _experiment_id(client: Any, name: str, root: Path) -> str:
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return str(experiment.experiment_id)
+    try:
+        return str(client.create_experiment(name, artifact_location=(root / "mlruns").resolve().as_uri()))
+    except Exception:  # created meanwhile by another stage
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return str(experiment.experiment_id)
+
+
+def _parent_run(client: Any, experiment_id: str, invocation: str, tags: Mapping[str, str]) -> str:
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{INVOCATION_TAG}` = '{invocation}'", max_results=1)
+    if found:
+        run_id = str(found[0].info.run_id)
+        client.update_run(run_id, status="RUNNING")
+        return run_id
+    name = "pipeline " + datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    run = client.create_run(experiment_id, tags={**tags, INVOCATION_TAG: invocation, "quanthunt.kind": "pipeline"}, run_name=name)
+    return str(run.info.run_id)
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, *, params: BaseModel, section: BaseModel, root: Path, experiment: str) -> Iterator[StageRun]:
+    """An MLflow run for one stage execution, nested under the pipeline's parent run.
+
+    On an exception the run ends FAILED with the (redacted) error as a tag.
+    """
+    client = _client(root)
+    experiment_id = _experiment_id(client, experiment, root)
+    commit, dirty = git_state(root)
+    tags: dict[str, str] = {
+        "git.commit": commit or "none",
+        "git.dirty": str(dirty).lower(),
+        "quanthunt.version": __version__,
+    }
+    if exp_name := os.environ.get("DVC_EXP_NAME"):
+        tags["dvc.exp_name"] = exp_name
+    parent_id = None
+    if invocation := pipeline_invocation():
+        parent_id = _parent_run(client, experiment_id, invocation, tags)
+    section_json = section.model_dump(mode="json")
+    run_tags = {
+        **tags,
+        "dvc.stage": os.environ.get("DVC_STAGE") or stage,
+        "quanthunt.stage": stage,
+        "quanthunt.params_sha256": hashlib.sha256(json.dumps(section_json, sort_keys=True).encode()).hexdigest(),
+    }
+    if parent_id:
+        run_tags["mlflow.parentRunId"] = parent_id
+    run_name = os.environ.get("DVC_STAGE") or stage
+    created = client.create_run(experiment_id, tags={k: redact(v) for k, v in run_tags.items()}, run_name=run_name)
+    run = StageRun(client, str(created.info.run_id), root)
+    status = "FAILED"
+    try:
+        run.log_params(section_json)
+        run.log_dict(params.model_dump(mode="json"), "params.resolved.json")
+        yield run
+        status = "FINISHED"
+    except BaseException as exc:
+        message = str(exc) if isinstance(exc, QuanthuntError) else f"{exc.__class__.__name__}: {exc}"
+        with contextlib.suppress(Exception):
+            run.set_tags({"quanthunt.error": message[:1000]})
+        raise
+    finally:
+        client.set_terminated(run.run_id, status=status)
+        if parent_id:
+            client.set_terminated(parent_id, status=status)
+
+
+def search_stage_runs(root: Path, experiment: str, *, stage: str | None, last: int) -> list[dict[str, Any]]:
+    """The newest ``last`` stage runs (optionally of one stage), as plain dicts."""
+    client = _client(root)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    query = "tags.`quanthunt.stage` != ''" if stage is None else f"tags.`quanthunt.stage` = '{stage}'"
+    order = ["attributes.start_time DESC"]
+    runs = client.search_runs([found.experiment_id], filter_string=query, order_by=order, max_results=last)
+    return [
+        {
+            "run_id": r.info.run_id,
+            "stage": r.data.tags.get("quanthunt.stage", ""),
+            "status": r.info.status,
+            "started": datetime.fromtimestamp(r.info.start_time / 1000, UTC).isoformat(timespec="seconds"),
+            "parent": r.data.tags.get("mlflow.parentRunId", ""),
+            "params": dict(r.data.params),
+            "metrics": dict(r.data.metrics),
+            "tags": {k: v for k, v in r.data.tags.items() if not k.startswith("mlflow.")},
+        }
+        for r in runs
+    ]

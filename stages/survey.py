@@ -1,0 +1,111 @@
+"""Survey stage: list the model's providers, apply the policy, plan the budget.
+
+Writes ``providers.csv`` and ``budget_plan.json`` (all-or-nothing) and ``metrics.json``,
+and records the run in MLflow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from quanthunt.connection import open_targets
+from quanthunt.gateway import Endpoint, Gateway, resolve_api_key
+from quanthunt.outputs import Outputs
+from quanthunt.params import load_params
+from quanthunt.sandbox.roster import default_roster_path
+from quanthunt.survey import PROVIDER_COLUMNS, ProviderRow, apply_policy, plan_budget
+from quanthunt.tracking import repo_root, stage_run
+
+
+async def fetch_endpoints(api_url: str, model: str) -> list[Endpoint]:
+    async with Gateway(api_url, api_key=resolve_api_key(api_url)) as gateway:
+        return await gateway.endpoints(model)
+
+
+def providers_csv(rows: list[ProviderRow]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=PROVIDER_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(row.as_dict() for row in rows)
+    return buffer.getvalue()
+
+
+def show(rows: list[ProviderRow], plan: dict[str, object], console: Console) -> None:
+    table = Table(title="Providers", title_justify="left")
+    for column in ("provider", "declared", "$/M in", "$/M out", "status", "uptime", "logprobs", "decision"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(
+            r.provider, r.declared_quantization, f"{r.prompt_usd_per_m:.2f}", f"{r.completion_usd_per_m:.2f}",
+            str(r.status), f"{r.uptime_last_30m}", "yes" if r.supports_logprobs else "no", r.reason,
+        )  # fmt: skip
+    console.print(table)
+    scenarios = plan["scenarios"]
+    assert isinstance(scenarios, list)
+    budget = Table(
+        title=f"Budget plan: ${plan['budget_usd']:,} for {plan['target_output_tokens']:,} output tokens", title_justify="left"
+    )
+    for column in ("at", "provider", "$/M out", "cost", "within budget", "affordable tokens", "per dataset"):
+        budget.add_column(column)
+    for s in scenarios:
+        budget.add_row(
+            s["scenario"], s["provider"], f"{s['completion_usd_per_m']:.2f}", f"${s['total_cost_usd']:,.2f}",
+            "yes" if s["within_budget"] else "no",
+            f"{s['affordable_output_tokens']:,}", f"{s['affordable_output_tokens_per_dataset']:,}",
+        )  # fmt: skip
+    console.print(budget)
+    verification = plan["verification"]
+    assert isinstance(verification, dict)
+    console.print(f"Verification probes: {verification['requests']} requests, about ${verification['cost_usd']:.4f}")
+    if not plan["candidates"]:
+        console.print("[bold red]No provider passes the policy: nothing can be verified or generated.[/]")
+
+
+def main(params_path: Path, *, console: Console | None = None) -> None:
+    """Run the survey stage with the params file at ``params_path``."""
+    console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+    params = load_params(params_path)
+    root = repo_root(params_path)
+    paths = params.paths
+    with stage_run("survey", params=params, section=params.survey, root=root, experiment=params.tracking.experiment) as run:
+        with open_targets(params, root=root, stage="survey", needs_model=False) as targets:
+            endpoints = asyncio.run(fetch_endpoints(targets.api_url, params.survey.model))
+        rows = apply_policy(endpoints, params.survey.policy)
+        plan = plan_budget(rows, params.survey.budget, params.verify.probes)
+        candidates = [r for r in rows if r.is_candidate]
+        metrics = {
+            "providers": len(rows),
+            "candidates": len(candidates),
+            "excluded": len(rows) - len(candidates),
+            "verification_cost_usd": plan["verification"]["cost_usd"],
+        }
+        for scenario in plan["scenarios"]:
+            metrics[f"{scenario['scenario']}_completion_usd_per_m"] = scenario["completion_usd_per_m"]
+            metrics[f"{scenario['scenario']}_total_cost_usd"] = scenario["total_cost_usd"]
+        with Outputs() as out:
+            out.write_text(root / paths.survey_providers, providers_csv(rows))
+            out.write_json(root / paths.survey_plan, plan)
+            out.write_json(root / paths.survey_metrics, metrics)
+        show(rows, plan, console)
+        run.log_metrics(metrics)
+        run.set_tags(
+            {
+                "providers": ",".join(r.provider for r in rows),
+                "candidates": ",".join(r.provider for r in candidates),
+                "declared_precision": ",".join(sorted({f"{r.provider}={r.declared_quantization}" for r in rows})),
+                "model": params.survey.model,
+                "gateway": "sandbox" if targets.sandbox else targets.api_url,
+            }
+        )
+        for path in (paths.survey_providers, paths.survey_plan, paths.survey_metrics):
+            run.log_artifact(root / path)
+        run.log_input(params_path, context="params")
+        if targets.sandbox is not None:
+            run.log_input(root / params.sandbox.roster if params.sandbox.roster else default_roster_path(), context="roster")
