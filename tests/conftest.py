@@ -3,4 +3,5 @@
 pytest_plugins = [
     "fixtures.contracts",
     "fixtures.sandbox",
+    "fixtures.project",
 ]

@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from quanthunt.cli import sandbox, stages
+from quanthunt.cli import compare, sandbox, stages
 from quanthunt.errors import QuanthuntError
 from quanthunt.redaction import redact
 
@@ -20,6 +20,7 @@ app = typer.Typer(
 )
 app.add_typer(sandbox.app, name="sandbox")
 stages.register(app)
+app.command(rich_help_panel="Provenance")(compare.compare)
 
 
 def main() -> None:

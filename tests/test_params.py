@@ -1,0 +1,78 @@
+"""params.yaml: the shipped file is valid; bad values are one line naming file and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from quanthunt.errors import ConfigError
+from quanthunt.params import load_params, parse_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shipped() -> dict[str, Any]:
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def test_shipped_params_are_valid() -> None:
+    params = load_params(ROOT / "params.yaml")
+    assert params.api.base_url == "sandbox" and params.uses_sandbox
+    assert params.survey.budget.usd == 100
+
+
+def with_change(path: str, value: Any) -> dict[str, Any]:
+    data = shipped()
+    node = data
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("survey.budget.usd", -5, "survey.budget.usd: Input should be greater than 0 (got -5)"),
+        ("survey.budget.usd", float("nan"), "survey.budget.usd: Input should be a finite number (got NaN)"),
+        ("survey.budget.usd", "lots", "survey.budget.usd: Input should be a valid number"),
+        ("survey.policy.allowed_quantizations", ["int4", "int3"], "unknown quantization 'int3'"),
+        ("survey.policy.colour", "red", "survey.policy.colour: unknown key"),
+        ("surveyy", {}, "surveyy: unknown key"),
+        ("api.base_url", "http://openrouter.ai/api/v1", "plain http is only allowed to a loopback host"),
+        ("api.base_url", "ftp://example.com", "must be an http(s) URL"),
+        ("api.base_url", "https://user:pw@openrouter.ai/api/v1", "must not carry credentials"),
+        ("survey.model", "no-slash", "survey.model: String should match pattern"),
+        ("verify.probes.prompts", 1, "verify.probes.prompts: Input should be greater than or equal to 2"),
+    ],
+)
+def test_bad_params_name_the_field(path: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_params(with_change(path, value), source="params.yaml")
+    text = str(info.value)
+    assert text.startswith("params.yaml: ")
+    assert message in text
+    assert "\n" not in text
+
+
+def test_loopback_http_and_https_are_accepted() -> None:
+    assert parse_params(with_change("api.base_url", "http://127.0.0.1:8765/api/v1/"), source="p").api.base_url.endswith("/api/v1")
+    assert parse_params(with_change("api.base_url", "https://openrouter.ai/api/v1"), source="p").api.base_url
+
+
+def test_unreadable_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="params file not found"):
+        load_params(tmp_path / "missing.yaml")
+    bad = tmp_path / "params.yaml"
+    bad.write_text("survey: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"params.yaml: line \d+ is not valid YAML"):
+        load_params(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping of sections"):
+        load_params(bad)
