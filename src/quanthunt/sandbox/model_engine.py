@@ -21,6 +21,9 @@ from quanthunt.sandbox.engine import Completion, OutToken, SamplingRequest, Toke
 from quanthunt.sandbox.model import PrecisionStore, load_reference
 from quanthunt.sandbox.sampler import Sample, Sampler, TokenLogprob
 
+SCORE_BATCH_TOKENS = 2048
+"""Most tokens scored in one forward pass (~400 MB of fp32 logits at SmolLM2's vocabulary)."""
+
 
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's byte-to-unicode table used by byte-level BPE vocabularies."""
@@ -89,13 +92,19 @@ class _Batcher:
                     self._cond.wait(left)
             first = self._queue.popleft()
             batch = [first]
-            if first.kind == "sample":
-                for job in list(self._queue):
-                    if len(batch) >= self._max_batch:
+            tokens = len(first.payload[0]) if first.kind == "score" else 0
+            for job in list(self._queue):
+                if len(batch) >= self._max_batch:
+                    break
+                if job.kind != first.kind or job.precision != first.precision:
+                    continue
+                if job.kind == "score":
+                    # Score batches are bounded by tokens: their logits are [batch, length, vocab].
+                    tokens += len(job.payload[0])
+                    if tokens > SCORE_BATCH_TOKENS:
                         break
-                    if job.kind == "sample" and job.precision == first.precision:
-                        self._queue.remove(job)
-                        batch.append(job)
+                self._queue.remove(job)
+                batch.append(job)
             return batch
 
     def _run(self) -> None:
@@ -107,8 +116,8 @@ class _Batcher:
             try:
                 sampler = Sampler(self._store.get(live[0].precision), self._tokenizer, stop_token_ids=self._stop_ids)
                 if live[0].kind == "score":
-                    ids, top = live[0].payload
-                    live[0].future.set_result(sampler.score(ids, top_logprobs=top))
+                    for job, scored in zip(live, sampler.score_many([job.payload for job in live]), strict=True):
+                        job.future.set_result(scored)
                 else:
                     results = sampler.sample([job.payload for job in live])
                     for job, result in zip(live, results, strict=True):

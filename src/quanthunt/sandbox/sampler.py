@@ -160,14 +160,32 @@ class Sampler:
 
         The first token has no context and scores ``None`` (as vLLM's ``echo`` does).
         """
-        if not ids:
-            return []
-        input_ids = torch.tensor([list(ids)], dtype=torch.long)
-        logits = self.model(input_ids=input_ids, use_cache=False).logits[0].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        scored: list[TokenLogprob | None] = [None]
-        for position in range(1, len(ids)):
-            row = logp[position - 1]
-            token = int(ids[position])
-            scored.append(TokenLogprob(token, float(row[token]), _top(row, top_logprobs)))
-        return scored
+        return self.score_many([(ids, top_logprobs)])[0]
+
+    @torch.inference_mode()
+    def score_many(self, jobs: Sequence[tuple[Sequence[int], int]]) -> list[list[TokenLogprob | None]]:
+        """``score`` for several sequences in one right-padded forward pass (causal
+        attention keeps padding from touching the real positions)."""
+        width = max((len(ids) for ids, _ in jobs), default=0)
+        if width == 0:
+            return [[] for _ in jobs]
+        input_ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(jobs), width), dtype=torch.long)
+        for row, (ids, _) in enumerate(jobs):
+            input_ids[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+            mask[row, : len(ids)] = 1
+        logits = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits.float()
+        results: list[list[TokenLogprob | None]] = []
+        for row, (ids, top) in enumerate(jobs):
+            if not ids:
+                results.append([])
+                continue
+            logp = torch.log_softmax(logits[row, : len(ids) - 1], dim=-1)
+            targets = torch.tensor(list(ids[1:]), dtype=torch.long)
+            picked = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+            scored: list[TokenLogprob | None] = [None]
+            scored += [
+                TokenLogprob(int(t), float(lp), _top(logp[i], top)) for i, (t, lp) in enumerate(zip(ids[1:], picked, strict=True))
+            ]
+            results.append(scored)
+        return results
