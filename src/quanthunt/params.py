@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -38,7 +38,20 @@ class Paths(_Section):
     survey_providers: str = "reports/survey/providers.csv"
     survey_plan: str = "reports/survey/budget_plan.json"
     survey_metrics: str = "reports/survey/metrics.json"
+    prompts: str = "data/prompts"
+    """Folder of prompt datasets, one ``<dataset>.jsonl`` (or ``.parquet``) each."""
+    verdicts: str = "reports/verify/verdicts.json"
+    verify_report: str = "reports/verify/report.html"
+    verify_plots: str = "reports/verify/plots"
+    verify_metrics: str = "reports/verify/metrics.json"
     logs: str = "logs"
+
+    def prompt_file(self, root: Path, dataset: str) -> Path:
+        """``<prompts>/<dataset>.jsonl``, or ``.parquet`` when only that exists."""
+        folder = root / self.prompts
+        jsonl = folder / f"{dataset}.jsonl"
+        parquet = folder / f"{dataset}.parquet"
+        return parquet if parquet.exists() and not jsonl.exists() else jsonl
 
 
 class Api(_Section):
@@ -48,6 +61,10 @@ class Api(_Section):
 
 class Reference(_Section):
     base_url: str = SANDBOX
+    model: str | None = None
+    """The served model's name; null: the first one ``/models`` lists."""
+    score_max_tokens: Literal[0, 1] = 0
+    """``max_tokens`` of teacher-forced scoring requests (``echo``): 1 for servers that refuse 0."""
     _check = field_validator("base_url")(check_base_url)
 
 
@@ -106,13 +123,53 @@ class Probes(_Section):
 
     prompts: int = Field(default=25, ge=2)
     completions_per_prompt: int = Field(default=2, ge=1)
+    """Completions per prompt in logprob mode."""
+    sample_mode_completions_per_prompt: int = Field(default=4, ge=1)
+    """Completions per prompt from each side in sample mode (no provider logprobs)."""
     max_tokens: int = Field(default=32, ge=1)
+    temperature: float = Field(default=1.0, gt=0, le=2)
+    top_logprobs: int = Field(default=5, ge=1, le=20)
     mean_prompt_tokens: int = Field(default=60, ge=1)
     """Expected prompt length in tokens, for the cost estimate."""
 
 
+class Margins(_Section):
+    """Tolerances, calibrated so a faithful provider on other hardware (bf16 compute) is
+    equivalent (``benchmarks/verify_power.py`` measures them)."""
+
+    mean_abs_dlogprob: float = Field(default=0.08, gt=0)
+    """Logprob mode: largest mean |Δ logprob| per token that counts as the same model."""
+    tail_dlogprob: float = Field(default=0.25, gt=0)
+    """Logprob mode: a completion whose mean |Δ| exceeds this is extreme."""
+    tail_p0: float = Field(default=0.001, gt=0, lt=1)
+    """Share of extreme completions a faithful provider may produce."""
+    mean_loglik: float = Field(default=0.15, gt=0)
+    """Sample mode: largest drop in mean reference log-likelihood (nats/token) that counts as the same model."""
+
+
+class Decision(_Section):
+    alpha: float = Field(default=0.05, gt=0, lt=1)
+    correction: Literal["holm", "bh"] = "holm"
+    """Across providers: Holm (family-wise error) or Benjamini-Hochberg (false discovery rate)."""
+    min_power: float = Field(default=0.8, gt=0, lt=1)
+    mixture_share: float = Field(default=0.2, gt=0, le=1)
+    """The smallest share of lower-precision traffic the audit must be able to catch."""
+    max_failed_share: float = Field(default=0.25, ge=0, le=1)
+    """More failed probe requests than this makes a provider inconclusive."""
+
+
 class Verify(_Section):
+    seed: int = 0
     probes: Probes = Probes()
+    margin: Margins = Margins()
+    decision: Decision = Decision()
+    audit_declared_excluded: bool = True
+    """Also audit providers the survey excluded only for their declared precision, to check
+    the declaration (they stay excluded whatever the verdict)."""
+    max_cost_usd: float = Field(default=1.0, gt=0)
+    """The stage refuses to start when the planned probe cost exceeds this."""
+    concurrency: int = Field(default=32, ge=1, le=2000)
+    max_attempts: int = Field(default=3, ge=1, le=10)
 
 
 class Params(_Section):
@@ -123,8 +180,20 @@ class Params(_Section):
     reference: Reference = Reference()
     sandbox: Sandbox = Sandbox()
     tracking: Tracking = Tracking()
+    datasets: tuple[str, ...] = Field(min_length=1)
+    """Prompt datasets, by name: ``<paths.prompts>/<name>.jsonl``."""
     survey: Survey
     verify: Verify = Verify()
+
+    @field_validator("datasets")
+    @classmethod
+    def _dataset_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not name or "/" in name or name.startswith("."):
+                raise ValueError(f"dataset names are file stems, got {name!r}")
+        if len(set(value)) != len(value):
+            raise ValueError("dataset names must be unique")
+        return value
 
     @property
     def uses_sandbox(self) -> bool:

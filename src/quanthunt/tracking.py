@@ -122,6 +122,7 @@ class StageRun:
         self.client = client
         self.run_id = run_id
         self.root = root
+        self.children: list[StageRun] = []
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         for key, value in tags.items():
@@ -159,6 +160,18 @@ class StageRun:
             target = Path(tmp) / name
             target.write_text(json.dumps(redact_data(dict(data)), indent=2, sort_keys=True, default=str), encoding="utf-8")
             self.client.log_artifact(self.run_id, str(target))
+
+    def child(self, name: str, tags: Mapping[str, str] | None = None) -> StageRun:
+        """A nested run (e.g. one per provider), finished when the parent's context ends."""
+        run = self.client.get_run(self.run_id)
+        created = self.client.create_run(
+            run.info.experiment_id,
+            tags={**{k: redact(v) for k, v in (tags or {}).items()}, "mlflow.parentRunId": self.run_id},
+            run_name=name,
+        )
+        child = StageRun(self.client, str(created.info.run_id), self.root)
+        self.children.append(child)
+        return child
 
     def log_input(self, path: Path, *, context: str = "input", tags: Mapping[str, str] | None = None) -> str:
         """Log a file as a dataset input (name, source, md5 digest); returns the digest."""
@@ -263,6 +276,8 @@ def stage_run(stage: str, *, params: BaseModel, section: BaseModel, root: Path, 
             run.set_tags({"quanthunt.error": message[:1000]})
         raise
     finally:
+        for child in run.children:
+            client.set_terminated(child.run_id, status=status)
         client.set_terminated(run.run_id, status=status)
         if parent_id:
             client.set_terminated(parent_id, status=status)

@@ -17,5 +17,13 @@ def survey(params: ParamsOption = Path("params.yaml")) -> None:
     stage.main(params)
 
 
+def verify(params: ParamsOption = Path("params.yaml")) -> None:
+    """Measure each provider against the reference deployment and decide its verdict."""
+    from stages import verify as stage
+
+    stage.main(params)
+
+
 def register(app: typer.Typer) -> None:
-    app.command(rich_help_panel="Pipeline stages")(survey)
+    for command in (survey, verify):
+        app.command(rich_help_panel="Pipeline stages")(command)

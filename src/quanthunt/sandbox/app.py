@@ -351,6 +351,7 @@ class Sandbox:
                 "served": dict(self.stats.served),
                 "faults": dict(self.stats.faults),
                 "precisions": dict(self.stats.precisions),
+                "compute": getattr(self.engine, "compute_stats", dict)(),
                 "key": {
                     "usage": account.usage,
                     "limit": account.limit,

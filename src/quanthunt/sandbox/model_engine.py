@@ -39,6 +39,24 @@ def _byte_decoder() -> dict[str, int]:
 
 
 @dataclass
+class EngineStats:
+    """Compute done by kind ("sample", "score"): batches, rows, tokens, seconds."""
+
+    by_kind: dict[str, list[float]] = field(default_factory=dict)
+
+    def record(self, kind: str, rows: int, tokens: int, seconds: float) -> None:
+        entry = self.by_kind.setdefault(kind, [0.0, 0.0, 0.0, 0.0])
+        for i, value in enumerate((1, rows, tokens, seconds)):
+            entry[i] += value
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {
+            kind: {"batches": b, "rows": r, "tokens": t, "seconds": round(s, 3), "mean_batch": round(r / b, 2) if b else 0.0}
+            for kind, (b, r, t, s) in self.by_kind.items()
+        }
+
+
+@dataclass
 class _Job:
     kind: str  # "sample" | "score"
     precision: str
@@ -61,6 +79,7 @@ class _Batcher:
         self._queue: deque[_Job] = deque()
         self._cond = threading.Condition()
         self._closed = False
+        self.stats = EngineStats()
         self._thread = threading.Thread(target=self._run, name="sandbox-compute", daemon=True)
         self._thread.start()
 
@@ -113,15 +132,19 @@ class _Batcher:
             live = [job for job in batch if job.future.set_running_or_notify_cancel()]
             if not live:
                 continue
+            started = time.perf_counter()
             try:
                 sampler = Sampler(self._store.get(live[0].precision), self._tokenizer, stop_token_ids=self._stop_ids)
                 if live[0].kind == "score":
                     for job, scored in zip(live, sampler.score_many([job.payload for job in live]), strict=True):
                         job.future.set_result(scored)
+                    tokens = sum(len(job.payload[0]) for job in live)
                 else:
                     results = sampler.sample([job.payload for job in live])
                     for job, result in zip(live, results, strict=True):
                         job.future.set_result(result)
+                    tokens = sum(len(r.token_ids) for r in results)
+                self.stats.record(live[0].kind, len(live), tokens, time.perf_counter() - started)
             except Exception as exc:  # the thread must survive a bad batch
                 for job in live:
                     if not job.future.done():
@@ -163,6 +186,9 @@ class ModelEngine:
 
     def close(self) -> None:
         self._batcher.close()
+
+    def compute_stats(self) -> dict[str, dict[str, float]]:
+        return self._batcher.stats.as_dict()
 
     def encode_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
         encoded = self.tokenizer.apply_chat_template(

@@ -1,0 +1,90 @@
+"""Plots for the reports (matplotlib, Agg backend), returned as PNG bytes so pages can
+embed them and DVC can track them as files."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def _figure(width: float = 7.0, height: float = 3.2) -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(width, height), dpi=110)
+    return fig, axes
+
+
+def _png(fig: Any) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _ecdf(ax: Any, values: Sequence[float], label: str, **style: Any) -> None:
+    if not values:
+        return
+    xs = np.sort(np.asarray(values, dtype=float))
+    ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=label, **style)
+
+
+def logprob_audit(title: str, deltas: Sequence[float], completion_means: Sequence[float], *, margin: float, tail: float) -> bytes:
+    """Left: ECDF of per-token |Δ logprob|. Right: per-completion mean |Δ| against the
+    equivalence margin and the extreme-completion threshold."""
+    fig, (left, right) = _figure()
+    _ecdf(left, [abs(d) for d in deltas], "per token")
+    left.set_xscale("symlog", linthresh=1e-3)
+    left.set_xlabel("|Δ logprob| (provider − reference)")
+    left.set_ylabel("ECDF")
+    left.set_title(title, fontsize=9)
+    right.hist(completion_means, bins=20, color="#4477aa")
+    right.axvline(margin, color="#228833", linestyle="--", label=f"margin {margin:g}")
+    right.axvline(tail, color="#ee6677", linestyle=":", label=f"extreme > {tail:g}")
+    right.set_xlabel("mean |Δ| per completion")
+    right.legend(fontsize=7)
+    return _png(fig)
+
+
+def sample_audit(title: str, provider: Sequence[float], reference: Sequence[float]) -> bytes:
+    """ECDFs of the reference's mean log-likelihood per token of provider vs reference samples."""
+    fig, (left, right) = _figure()
+    _ecdf(left, provider, "provider samples", color="#ee6677")
+    _ecdf(left, reference, "reference samples", color="#4477aa")
+    left.set_xlabel("reference log-likelihood per token")
+    left.set_ylabel("ECDF")
+    left.set_title(title, fontsize=9)
+    left.legend(fontsize=7)
+    right.hist([provider, reference], bins=15, label=["provider", "reference"], color=["#ee6677", "#4477aa"])
+    right.set_xlabel("reference log-likelihood per token")
+    right.legend(fontsize=7)
+    return _png(fig)
+
+
+def bars(title: str, values: Mapping[str, float], *, xlabel: str) -> bytes:
+    """A horizontal bar chart (cost by provider, records by dataset, ...)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 0.4 * max(len(values), 2) + 1), dpi=110)
+    names = list(values)
+    ax.barh(names, [values[n] for n in names], color="#4477aa")
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    ax.invert_yaxis()
+    return _png(fig)
+
+
+def data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()

@@ -1,0 +1,101 @@
+"""``reports/verify/verdicts.json``: the verification stage's decisions, the contract the
+generate and validate stages read. Validated on write and on read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from quanthunt.errors import ConfigError
+
+Verdict = Literal["equivalent", "different", "inconclusive"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class Estimate(_Model):
+    """An effect size with its 95 % confidence interval."""
+
+    value: float
+    ci_low: float
+    ci_high: float
+
+
+class TestResult(_Model):
+    """One hypothesis test as run for one provider."""
+
+    name: str
+    kind: Literal["difference", "equivalence", "baseline"]
+    """``difference`` tests can make a provider ``different``; ``equivalence`` tests are needed
+    for ``equivalent``; ``baseline`` tests are reported for comparison and decide nothing."""
+    statistic: float
+    p_value: float
+    p_adjusted: float | None
+    null: str
+
+
+class ProviderVerdict(_Model):
+    provider: str
+    tag: str
+    declared_quantization: str
+    survey_decision: str
+    """The survey's reason (``candidate``, ``excluded: declared nvfp4``, ...)."""
+    eligible: bool
+    """Candidate in the survey *and* ``equivalent`` here: may serve training records."""
+    mode: Literal["logprob", "sample"]
+    verdict: Verdict
+    reason: str
+    tests: list[TestResult]
+    effects: dict[str, Estimate]
+    power: dict[str, float]
+    probes_needed: int | None
+    """Probes (completions) the tests would need for their target power, when inconclusive."""
+    probes: int = Field(ge=0)
+    completions: int = Field(ge=0)
+    failed_requests: int = Field(ge=0)
+    errors: dict[str, int]
+    tokens: int = Field(ge=0)
+    served_by: dict[str, int]
+    """Serving providers the responses named; anything but this provider is flagged."""
+    cost_usd: float = Field(ge=0)
+    mlflow_run_id: str | None = None
+
+
+class Verdicts(_Model):
+    """The whole file."""
+
+    model: str
+    reference_model: str
+    created_at: str
+    params_sha256: str
+    alpha: float
+    correction: Literal["holm", "bh"]
+    probe_ids: list[str]
+    verification_run_id: str | None
+    cost_usd: float = Field(ge=0)
+    providers: list[ProviderVerdict]
+
+    def eligible(self) -> list[ProviderVerdict]:
+        return [p for p in self.providers if p.eligible]
+
+
+def load_verdicts(path: Path) -> Verdicts:
+    """Read and validate ``verdicts.json``; problems are one line naming the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: verdicts file not found; run the verify stage first (quanthunt verify)") from None
+    try:
+        return Verdicts.model_validate(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON (line {exc.lineno})") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{path}: {where}: {first['msg']}") from None
