@@ -8,7 +8,6 @@ run with a nested run per provider.
 from __future__ import annotations
 
 import asyncio
-import csv
 import html
 import re
 import sys
@@ -27,7 +26,7 @@ from quanthunt.outputs import Outputs
 from quanthunt.params import Params, load_params, section_digest
 from quanthunt.prompts import load_prompts
 from quanthunt.reference import Reference
-from quanthunt.survey import CANDIDATE
+from quanthunt.survey import CANDIDATE, read_providers
 from quanthunt.tracking import StageRun, repo_root, stage_run
 from quanthunt.verdicts import ProviderVerdict, Verdicts
 from quanthunt.verification import Audit, Auditor, Design, Margins, Policy, Probe, Subject, decide, select_probes, summary_values
@@ -35,7 +34,7 @@ from quanthunt.verification import Audit, Auditor, Design, Margins, Policy, Prob
 
 @dataclass(frozen=True)
 class Row:
-    """A provider as the survey listed it."""
+    """A provider to audit, as the survey listed it."""
 
     subject: Subject
     logprobs: bool
@@ -44,38 +43,9 @@ class Row:
 
 
 def read_survey(path: Path) -> list[Row]:
-    """The survey's providers table (its columns checked, errors naming file and line)."""
-    try:
-        with path.open(newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            needed = {
-                "provider",
-                "tag",
-                "declared_quantization",
-                "supports_logprobs",
-                "reason",
-                "prompt_usd_per_m",
-                "completion_usd_per_m",
-            }
-            missing = needed - set(reader.fieldnames or [])
-            if missing:
-                raise ConfigError(f"{path}: missing columns {', '.join(sorted(missing))}; rerun the survey stage")
-            rows = []
-            for line, raw in enumerate(reader, start=2):
-                try:
-                    rows.append(
-                        Row(
-                            Subject(raw["provider"], raw["tag"], raw["declared_quantization"], raw["reason"]),
-                            raw["supports_logprobs"] == "True",
-                            float(raw["prompt_usd_per_m"]),
-                            float(raw["completion_usd_per_m"]),
-                        )
-                    )
-                except ValueError:
-                    raise ConfigError(f"{path}:{line}: prices must be numbers") from None
-            return rows
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: providers table not found; run the survey stage first (quanthunt survey)") from None
+    rows = read_providers(path)
+    return [Row(Subject(r.provider, r.tag, r.declared_quantization, r.reason), r.supports_logprobs,
+                r.prompt_usd_per_m, r.completion_usd_per_m) for r in rows]  # fmt: skip
 
 
 def subjects_to_audit(rows: list[Row], params: Params) -> list[Row]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import email.utils
 import ipaddress
+import json
 import math
 import os
 import time
@@ -133,14 +134,16 @@ def retry_after_seconds(value: str | None, *, now: float | None = None) -> float
     return max(seconds, 0.0) if math.isfinite(seconds) else None
 
 
-def _error_from(reply: httpx.Response, where: str) -> GatewayError:
-    message, kind = reply.reason_phrase or "error", f"http_{reply.status_code}"
+def error_from(status: int, reason: str, body: bytes, headers: Mapping[str, str], where: str) -> GatewayError:
+    """A ``GatewayError`` from an error reply: OpenRouter's ``{"error": {...}}`` body, the
+    402 ``limit_source``, the 404 ``constraint_filtered`` code and ``Retry-After``."""
+    message, kind = reason or "error", f"http_{status}"
     try:
-        body = reply.json()
+        data = json.loads(body)
     except ValueError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        error = body["error"]
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        error = data["error"]
         message = str(error.get("message") or message)[:500]
         metadata = error.get("metadata") if isinstance(error.get("metadata"), dict) else {}
         availability = error.get("availability") if isinstance(error.get("availability"), dict) else {}
@@ -148,13 +151,18 @@ def _error_from(reply: httpx.Response, where: str) -> GatewayError:
             kind = metadata["limit_source"]
         if availability.get("code") == "constraint_filtered":
             kind = "constraint_filtered"
+    lowered = {k.lower(): v for k, v in headers.items()}
     return GatewayError(
-        f"{where} answered {reply.status_code}: {message}",
-        status=reply.status_code,
+        f"{where} answered {status}: {message}",
+        status=status,
         kind=kind,
-        retry_after_s=retry_after_seconds(reply.headers.get("retry-after")),
-        generation_id=reply.headers.get("x-generation-id"),
+        retry_after_s=retry_after_seconds(lowered.get("retry-after")),
+        generation_id=lowered.get("x-generation-id"),
     )
+
+
+def _error_from(reply: httpx.Response, where: str) -> GatewayError:
+    return error_from(reply.status_code, reply.reason_phrase, reply.content, reply.headers, where)
 
 
 # -- replies ----------------------------------------------------------------------------
@@ -295,6 +303,35 @@ class Generation(_Reply):
     provider_responses: list[dict[str, Any]] | None = None
 
 
+def parse_chat_reply(raw: bytes, generation_id: str | None, where: str) -> ChatReply:
+    """Parse a 200 chat completion body; malformed bodies and error finishes raise."""
+    try:
+        result = _ChatResult.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field_name = ".".join(str(p) for p in first["loc"]) or "(body)"
+        kind = "malformed" if first["type"] == "json_invalid" else "unexpected_reply"
+        raise GatewayError(f"{where}: unexpected reply ({field_name}: {first['msg']})", status=200, kind=kind,
+                           generation_id=generation_id) from None  # fmt: skip
+    choice = result.choices[0]
+    generation_id = generation_id or result.id
+    if choice.finish_reason == "error":
+        message = str((choice.error or {}).get("message", "provider error"))[:300]
+        raise GatewayError(f"{where}: provider failed ({message})", status=200, kind="finish_error", generation_id=generation_id)
+    return ChatReply(
+        id=result.id,
+        generation_id=generation_id,
+        provider=result.provider,
+        model=result.model,
+        content=choice.message.content or "",
+        reasoning=choice.message.reasoning or choice.message.reasoning_content,
+        finish_reason=choice.finish_reason,
+        logprobs=choice.logprobs.content if choice.logprobs else None,
+        usage=result.usage,
+        error=choice.error,
+    )
+
+
 # -- requests ---------------------------------------------------------------------------
 
 
@@ -403,21 +440,6 @@ class Gateway:
             raise _error_from(reply, where)
         return reply
 
-    @staticmethod
-    def _parse(reply: httpx.Response, model: type[_Reply], where: str) -> Any:
-        try:
-            return model.model_validate_json(reply.content)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            field_name = ".".join(str(p) for p in first["loc"]) or "(body)"
-            kind = "malformed" if first["type"] == "json_invalid" else "unexpected_reply"
-            raise GatewayError(
-                f"{where}: unexpected reply ({field_name}: {first['msg']})",
-                status=reply.status_code,
-                kind=kind,
-                generation_id=reply.headers.get("x-generation-id"),
-            ) from None
-
     async def endpoints(self, model: str) -> list[Endpoint]:
         """Every provider endpoint the gateway lists for ``model`` (``author/slug``)."""
         path = f"/models/{model}/endpoints"
@@ -439,27 +461,7 @@ class Gateway:
         """POST ``/chat/completions`` (non-streamed). A 200 whose choice finished with
         ``error`` raises ``GatewayError(kind="finish_error")``."""
         reply = await self._request("POST", "/chat/completions", json=body)
-        where = f"{self.host} POST /chat/completions"
-        result: _ChatResult = self._parse(reply, _ChatResult, where)
-        choice = result.choices[0]
-        generation_id = reply.headers.get("x-generation-id") or result.id
-        if choice.finish_reason == "error":
-            message = str((choice.error or {}).get("message", "provider error"))[:300]
-            raise GatewayError(
-                f"{where}: provider failed ({message})", status=200, kind="finish_error", generation_id=generation_id
-            )
-        return ChatReply(
-            id=result.id,
-            generation_id=generation_id,
-            provider=result.provider,
-            model=result.model,
-            content=choice.message.content or "",
-            reasoning=choice.message.reasoning or choice.message.reasoning_content,
-            finish_reason=choice.finish_reason,
-            logprobs=choice.logprobs.content if choice.logprobs else None,
-            usage=result.usage,
-            error=choice.error,
-        )
+        return parse_chat_reply(reply.content, reply.headers.get("x-generation-id"), f"{self.host} POST /chat/completions")
 
     async def generation(self, generation_id: str) -> Generation:
         reply = await self._request("GET", "/generation", params={"id": generation_id})
@@ -481,3 +483,73 @@ def _reason(exc: Exception) -> str:
     """A short reason without URLs' query strings or headers."""
     text = str(exc).strip() or exc.__class__.__name__
     return text.splitlines()[0][:200]
+
+
+class AiohttpChat:
+    """The generation hot path: chat completions over aiohttp, thousands in flight.
+
+    Same requests, replies and errors as ``Gateway.chat`` (httpx's own connection pool
+    costs ~18 ms of CPU per request at 2,000 in flight; aiohttp ~0.5 ms). ``on_headers``
+    receives the ``X-Generation-Id`` as soon as the headers arrive, before the body, so a
+    request that dies mid-body can still be reconciled through ``/generation``.
+
+    Usage: ``async with AiohttpChat(url, api_key=key) as chat: reply = await chat.chat(body)``
+    """
+
+    def __init__(self, base_url: str, *, api_key: ApiKey, timeout_s: float = GATEWAY_TIMEOUT.read or 180.0,
+                 connect_timeout_s: float = GATEWAY_TIMEOUT.connect or 10.0) -> None:  # fmt: skip
+        try:
+            self.base_url = check_base_url(base_url)
+        except ValueError as exc:
+            raise ConfigError(f"gateway base URL {exc}") from None
+        self.host = urlsplit(self.base_url).netloc
+        self._api_key = api_key
+        self._timeout_s = timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._session: Any = None
+
+    async def __aenter__(self) -> AiohttpChat:
+        import aiohttp
+
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            timeout=aiohttp.ClientTimeout(total=self._timeout_s, sock_connect=self._connect_timeout_s),
+            headers={
+                "Authorization": f"Bearer {self._api_key.reveal()}",
+                "User-Agent": f"quanthunt/{__version__}",
+                "X-Title": "quanthunt",
+                "Content-Type": "application/json",
+            },
+        )
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def chat(self, body: Mapping[str, Any], *, on_headers: Any = None) -> ChatReply:
+        import aiohttp
+        import orjson
+
+        where = f"{self.host} POST /chat/completions"
+        generation_id: str | None = None
+        try:
+            async with self._session.post(f"{self.base_url}/chat/completions", data=orjson.dumps(body)) as reply:
+                generation_id = reply.headers.get("X-Generation-Id")
+                if generation_id and on_headers is not None:
+                    on_headers(generation_id)
+                raw = await reply.read()
+                status, reason, headers = reply.status, reply.reason or "", reply.headers
+        except TimeoutError:
+            raise GatewayError(f"{where}: timed out", kind="timeout", generation_id=generation_id) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise GatewayError(f"cannot reach {self.host}: {_reason(exc)}", kind="connect") from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as exc:
+            raise GatewayError(
+                f"{where}: connection dropped ({_reason(exc)})", kind="disconnect", generation_id=generation_id
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise GatewayError(f"{where}: {exc.__class__.__name__}", kind="transport", generation_id=generation_id) from None
+        if status >= 400:
+            raise error_from(status, reason, raw, headers, where)
+        return parse_chat_reply(raw, generation_id, where)

@@ -44,6 +44,11 @@ class Paths(_Section):
     verify_report: str = "reports/verify/report.html"
     verify_plots: str = "reports/verify/plots"
     verify_metrics: str = "reports/verify/metrics.json"
+    generated: str = "data/generated"
+    """``<dataset>.jsonl`` per dataset: the regenerated records (persisted, resumable)."""
+    generate_reports: str = "reports/generate"
+    ledger: str = "state/ledger.sqlite"
+    locks: str = "state/locks"
     logs: str = "logs"
 
     def prompt_file(self, root: Path, dataset: str) -> Path:
@@ -172,6 +177,45 @@ class Verify(_Section):
     max_attempts: int = Field(default=3, ge=1, le=10)
 
 
+class GenerationSampling(_Section):
+    temperature: float = Field(default=0.7, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int = Field(default=256, ge=1)
+    seed: int | None = 0
+    """Each request's seed derives from this, the record and the turn; null sends none."""
+
+
+class GenerateRetry(_Section):
+    max_attempts: int = Field(default=6, ge=1, le=100)
+    base_delay_s: float = Field(default=0.5, gt=0)
+    max_delay_s: float = Field(default=30.0, gt=0)
+
+
+class Generate(_Section):
+    max_records: int | None = Field(default=None, ge=1)
+    """Records taken from each dataset, in file order (null: all)."""
+    sampling: GenerationSampling = GenerationSampling()
+    concurrency: int = Field(default=2000, ge=1, le=20000)
+    max_usd_per_run: float = Field(default=10.0, gt=0)
+    """Hard cap on one run's spend, whatever the concurrency."""
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    """Token budget per dataset, all runs together (null: none)."""
+    data_collection: Literal["allow", "deny"] = "deny"
+    quantizations: tuple[str, ...] | None = None
+    """Also filter on declared quantization in the routing request (null: verification decides)."""
+    retry: GenerateRetry = GenerateRetry()
+    progress_interval_s: float = Field(default=10.0, gt=0)
+    """Seconds between plain progress lines when the output is not a terminal."""
+
+    @field_validator("quantizations")
+    @classmethod
+    def _known(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for q in value or ():
+            if q not in QUANTIZATIONS:
+                raise ValueError(f"unknown quantization {q!r}; OpenRouter's are {', '.join(QUANTIZATIONS)}")
+        return value
+
+
 class Params(_Section):
     """The whole ``params.yaml``."""
 
@@ -184,6 +228,7 @@ class Params(_Section):
     """Prompt datasets, by name: ``<paths.prompts>/<name>.jsonl``."""
     survey: Survey
     verify: Verify = Verify()
+    generate: Generate = Generate()
 
     @field_validator("datasets")
     @classmethod

@@ -7,9 +7,11 @@ candidate, and what the verification probes cost.
 
 from __future__ import annotations
 
+import csv
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from quanthunt.gateway import Endpoint
@@ -184,3 +186,44 @@ def plan_budget(rows: Sequence[ProviderRow], budget: Budget, probes: Probes) -> 
         "budget_after_verification_usd": round(budget.usd - verification_cost, 6),
         "notes": [f"{r.provider}: {r.price_note}" for r in candidates if r.price_note],
     }
+
+
+def read_providers(path: Path) -> list[ProviderRow]:
+    """Read ``providers.csv`` back (the verify and generate stages use it); problems are
+    one line naming the file and line."""
+    from quanthunt.errors import ConfigError
+
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            missing = set(PROVIDER_COLUMNS) - set(reader.fieldnames or [])
+            if missing:
+                raise ConfigError(f"{path}: missing columns {', '.join(sorted(missing))}; rerun the survey stage")
+            rows = []
+            for line, raw in enumerate(reader, start=2):
+                try:
+                    rows.append(
+                        ProviderRow(
+                            provider=raw["provider"],
+                            tag=raw["tag"],
+                            declared_quantization=raw["declared_quantization"],
+                            prompt_usd_per_m=float(raw["prompt_usd_per_m"]),
+                            completion_usd_per_m=float(raw["completion_usd_per_m"]),
+                            discount=float(raw["discount"] or 0),
+                            price_note=raw["price_note"],
+                            status=int(raw["status"]) if raw["status"] not in ("", "None") else None,
+                            uptime_last_30m=float(raw["uptime_last_30m"]) if raw["uptime_last_30m"] not in ("", "None") else None,
+                            context_length=int(raw["context_length"]),
+                            max_completion_tokens=int(raw["max_completion_tokens"])
+                            if raw["max_completion_tokens"] not in ("", "None")
+                            else None,
+                            supports_logprobs=raw["supports_logprobs"] == "True",
+                            decision=raw["decision"],
+                            reason=raw["reason"],
+                        )
+                    )
+                except (ValueError, KeyError):
+                    raise ConfigError(f"{path}:{line}: not a valid provider row") from None
+            return rows
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: providers table not found; run the survey stage first (quanthunt survey)") from None

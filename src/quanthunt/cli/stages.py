@@ -24,6 +24,16 @@ def verify(params: ParamsOption = Path("params.yaml")) -> None:
     stage.main(params)
 
 
+def generate(
+    dataset: Annotated[str, typer.Argument(help="A dataset named in params.yaml's datasets.")],
+    params: ParamsOption = Path("params.yaml"),
+) -> None:
+    """Regenerate a dataset's assistant turns through the verified providers (resumable)."""
+    from stages import generate as stage
+
+    stage.main(dataset, params)
+
+
 def register(app: typer.Typer) -> None:
-    for command in (survey, verify):
+    for command in (survey, verify, generate):
         app.command(rich_help_panel="Pipeline stages")(command)

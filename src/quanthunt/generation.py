@@ -1,0 +1,645 @@
+"""The generation engine: regenerate every assistant turn of a prompt dataset through
+the gateway, thousands of requests in flight, under a hard dollar cap, resumable after
+a crash at any instant without losing or duplicating a record or paying twice for a
+finished request.
+
+Shape of a run:
+
+- a producer streams the dataset's records (skipping finished ones) into a bounded
+  queue; ``concurrency`` workers take one record each and regenerate its turns in order
+  (SpecForge-style: system and user turns kept, assistant turns dropped and regenerated on
+  the regenerated history). Memory stays flat however large the dataset is.
+- every request is reserved against the budget at its worst-case cost, marked
+  ``in_flight`` in the ledger (committed) *before* it is sent, and settled from the
+  reply's ``usage.cost``;
+- a finished record is appended to the output (fsynced, in groups) and only then marked
+  done in the ledger with its line's sha256. A restart repairs the gap either way.
+
+Failures: 408/429/5xx, timeouts, resets, malformed bodies and HTTP 200 with
+``finish_reason: "error"`` are retried with exponential backoff and full jitter, honouring
+``Retry-After``; a 429 also pauses every worker (a shared cooldown). 400 fails the request;
+401/403 and 404 ``constraint_filtered`` stop the run (``StopRun``, exit 2); 402 credits or
+key limit, and the run's own cap, stop dispatching (exit 75: top up and rerun).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from quanthunt import __version__
+from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
+from quanthunt.gateway import ChatReply, GatewayError, Routing, chat_body
+from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
+from quanthunt.prompts import PromptRecord, next_request, skeleton
+
+BILLED_UNKNOWN = frozenset({"timeout", "disconnect", "malformed", "unexpected_reply", "transport"})
+"""Failures after the request left: the gateway may have generated (and billed) it."""
+RETRYABLE = BILLED_UNKNOWN | {
+    "connect", "finish_error", "openrouter_in_flight_budget",
+    "http_408", "http_409", "http_425", "http_429", "http_500", "http_502", "http_503", "http_504", "http_524", "http_529",
+}  # fmt: skip
+STOPPING = {"http_401": "the API key was refused", "http_403": "the API key may not use this model", "constraint_filtered": ""}
+OUT_OF_MONEY = {"openrouter_credits", "openrouter_key_limit"}
+
+
+class StopRun(QuanthuntError):
+    """The run stopped before finishing: ``exit_code`` 75 when money ran out (resumable),
+    2 when the configuration cannot work (bad key, no endpoint)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class ChatClient(Protocol):
+    async def chat(self, body: Mapping[str, Any], *, on_headers: Any = None) -> ChatReply: ...
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int | None
+    """When set, each request's seed is derived from it, the record id and the turn."""
+
+    def request_seed(self, record_id: str, turn: int) -> int | None:
+        if self.seed is None:
+            return None
+        return int(hashlib.sha256(f"{self.seed}:{record_id}:{turn}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class Eligible:
+    """A provider generation may use, as verification judged it."""
+
+    name: str
+    tag: str
+    declared_quantization: str
+    verdict: str
+    prompt_usd_per_token: float
+    completion_usd_per_token: float
+    context_length: int
+
+
+@dataclass(frozen=True)
+class Retry:
+    max_attempts: int
+    base_delay_s: float
+    max_delay_s: float
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """Exponential backoff with full jitter."""
+        return rng.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)))
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything one run of one dataset needs to know."""
+
+    dataset: str
+    model: str
+    sampling: Sampling
+    providers: tuple[Eligible, ...]
+    routing: Routing
+    params_hash: str
+    run_id: str
+    max_usd: float
+    """Hard cap on this run's spend (settled plus possibly-billed)."""
+    max_output_tokens: int | None
+    """Token budget of the dataset (all runs together)."""
+    concurrency: int
+    retry: Retry
+    verification_run_id: str | None
+
+    @property
+    def worst_prompt_rate(self) -> float:
+        return max(p.prompt_usd_per_token for p in self.providers)
+
+    @property
+    def worst_completion_rate(self) -> float:
+        return max(p.completion_usd_per_token for p in self.providers)
+
+    @property
+    def context_length(self) -> int:
+        return min(p.context_length for p in self.providers)
+
+
+def estimate_prompt_tokens(messages: Iterable[Mapping[str, str]]) -> int:
+    """An upper estimate of a prompt's tokens without the provider's tokenizer: one token
+    per 2 characters of UTF-8 (real BPE averages 3-4), plus 8 per message for the template."""
+    return sum(len(m["content"].encode()) // 2 + 8 for m in messages) + 8
+
+
+class Budget:
+    """The run's hard cap: a request may go only if its worst case still fits."""
+
+    def __init__(self, cap_usd: float) -> None:
+        self.cap_usd = cap_usd
+        self.settled_usd = 0.0
+        self.unknown_usd = 0.0
+        self.reserved_usd = 0.0
+
+    @property
+    def spent_usd(self) -> float:
+        """Settled plus possibly billed (what the run may have cost so far)."""
+        return self.settled_usd + self.unknown_usd
+
+    @property
+    def committed_usd(self) -> float:
+        return self.settled_usd + self.unknown_usd + self.reserved_usd
+
+    def reserve(self, usd: float) -> bool:
+        if self.committed_usd + usd > self.cap_usd + 1e-12:
+            return False
+        self.reserved_usd += usd
+        return True
+
+    def settle(self, reserved: float, cost: float) -> None:
+        self.reserved_usd -= reserved
+        self.settled_usd += cost
+
+    def unknown(self, reserved: float) -> None:
+        """A reply was lost after the request left: count the reservation as spent."""
+        self.reserved_usd -= reserved
+        self.unknown_usd += reserved
+
+    def reconciled(self, reserved: float, cost: float) -> None:
+        self.unknown_usd -= reserved
+        self.settled_usd += cost
+
+
+class Cooldown:
+    """Shared by all workers: a 429 pauses everyone, not just the one that got it."""
+
+    def __init__(self) -> None:
+        self.until = 0.0
+
+    def extend(self, seconds: float) -> None:
+        self.until = max(self.until, time.monotonic() + seconds)
+
+    async def wait(self) -> None:
+        while (left := self.until - time.monotonic()) > 0:
+            await asyncio.sleep(left)
+
+
+@dataclass
+class Progress:
+    """Live counters of a run (the progress display and the summary read them)."""
+
+    records_total: int = 0
+    records_done_before: int = 0
+    records_done: int = 0
+    records_failed: int = 0
+    records_skipped: int = 0
+    requests_ok: int = 0
+    in_flight: int = 0
+    output_tokens_before: int = 0
+    output_tokens: int = 0
+    retries: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    providers: Counter[str] = field(default_factory=Counter)
+    quarantined: int = 0
+    started: float = field(default_factory=time.monotonic)
+    stop_reason: str | None = None
+    skipped_reasons: Counter[str] = field(default_factory=Counter)
+
+
+class RecordSink:
+    """Appends finished records to the output in groups: write, flush, fsync, then mark
+    them done in the ledger (with each line's sha256). A crash in between is repaired at
+    the next start by ``prepare_output``."""
+
+    def __init__(
+        self, path: Path, ledger: Ledger, writer: LedgerWriter, dataset: str, params_hash: str, *, interval_s: float = 0.01
+    ) -> None:
+        self.path, self.ledger, self.writer = path, ledger, writer
+        self.dataset, self.params_hash, self.interval_s = dataset, params_hash, interval_s
+        self._pending: list[tuple[str, str, asyncio.Future[None]]] = []
+        self._wakeup = asyncio.Event()
+        self._closed = False
+        self._task: asyncio.Task[None] | None = None
+        self._fh = path.open("ab")
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def append(self, record_id: str, line: str) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((record_id, line, future))
+        self._wakeup.set()
+        await future
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if not self._closed:
+                await asyncio.sleep(self.interval_s)
+            batch, self._pending = self._pending, []
+            if batch:
+                await self._flush(batch)
+            if self._closed and not self._pending:
+                return
+
+    async def _flush(self, batch: list[tuple[str, str, asyncio.Future[None]]]) -> None:
+        try:
+            self._fh.write(b"".join((line + "\n").encode() for _, line, _ in batch))
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            ops = [
+                (lambda r=record_id, ln=line: self.ledger.op_record(self.dataset, r, self.params_hash, ln, sha256_line(ln)))
+                for record_id, line, _ in batch
+            ]
+            await asyncio.gather(*(self.writer.submit(op) for op in ops))
+        except BaseException as exc:
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            raise
+        for _, _, future in batch:
+            if not future.done():
+                future.set_result(None)
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await self._task
+        self._fh.close()
+
+
+def sha256_line(line: str) -> str:
+    return hashlib.sha256(line.encode()).hexdigest()
+
+
+class Engine:
+    """One dataset's run. ``await engine.run(records)`` returns when every record is done,
+    failed, or the run had to stop (then ``progress.stop_reason`` says why)."""
+
+    def __init__(self, job: Job, chat: ChatClient, ledger: Ledger, writer: LedgerWriter, sink: RecordSink, *,
+                 done_turns: dict[tuple[str, int], dict[str, Any]], seed: int = 0) -> None:  # fmt: skip
+        self.job, self.chat, self.ledger, self.writer, self.sink = job, chat, ledger, writer, sink
+        self.done_turns = done_turns
+        self.budget = Budget(job.max_usd)
+        self.cooldown = Cooldown()
+        self.progress = Progress()
+        self.rng = random.Random(seed)
+        self._stop = asyncio.Event()
+        self._fatal: StopRun | None = None
+        self._allowed = {p.name: p for p in job.providers}
+        self._unknown_with_id: list[tuple[int, str, float]] = []
+
+    def stop(self, reason: str, *, fatal: StopRun | None = None) -> None:
+        if not self._stop.is_set():
+            self.progress.stop_reason = reason
+            self._stop.set()
+        if fatal is not None and self._fatal is None:
+            self._fatal = fatal
+
+    @property
+    def fatal(self) -> StopRun | None:
+        return self._fatal
+
+    def _token_budget_left(self) -> bool:
+        limit = self.job.max_output_tokens
+        return limit is None or self.progress.output_tokens_before + self.progress.output_tokens < limit
+
+    async def run(self, records: Iterable[PromptRecord]) -> Progress:
+        queue: asyncio.Queue[PromptRecord | None] = asyncio.Queue(maxsize=max(2 * self.job.concurrency, 16))
+
+        async def produce() -> None:
+            for record in records:
+                if self._stop.is_set():
+                    break
+                if not self._token_budget_left():
+                    self.stop("the dataset's output-token budget is reached")
+                    break
+                await queue.put(record)
+            for _ in range(self.job.concurrency):
+                await queue.put(None)
+
+        async def work() -> None:
+            while (record := await queue.get()) is not None:
+                if self._stop.is_set():
+                    continue
+                await self._record(record)
+
+        workers = [asyncio.ensure_future(work()) for _ in range(self.job.concurrency)]
+        producer = asyncio.ensure_future(produce())
+        try:
+            await asyncio.gather(producer, *workers)
+        finally:
+            for task in (producer, *workers):
+                task.cancel()
+        return self.progress
+
+    async def _record(self, record: PromptRecord) -> None:
+        segments = skeleton(record)
+        replies: list[dict[str, Any]] = []
+        started = time.time()
+        for turn in range(len(segments)):
+            done = self.done_turns.get((record.id, turn))
+            if done is None:
+                messages = [{"role": t.role, "content": t.content} for t in next_request(record, [r["content"] for r in replies])]
+                if estimate_prompt_tokens(messages) + self.job.sampling.max_tokens > self.job.context_length:
+                    self.progress.records_skipped += 1
+                    self.progress.skipped_reasons["prompt over the context length"] += 1
+                    return
+                done = await self._request(RequestKey(self.job.dataset, record.id, turn, self.job.params_hash), messages)
+                if done is None:
+                    if not self._stop.is_set():
+                        self.progress.records_failed += 1
+                    return
+            replies.append(done)
+        line = self._line(record, replies, started)
+        await self.sink.append(record.id, line)
+        self.progress.records_done += 1
+
+    def _line(self, record: PromptRecord, replies: list[dict[str, Any]], started: float) -> str:
+        conversation: list[dict[str, Any]] = []
+        segments = skeleton(record)
+        for segment, reply in zip(segments, replies, strict=True):
+            conversation += [{"role": t.role, "content": t.content} for t in segment]
+            turn: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
+            if reply.get("reasoning"):
+                turn["reasoning_content"] = reply["reasoning"]
+            conversation.append(turn)
+        providers = sorted({r["provider"] for r in replies})
+        first = self._allowed[replies[0]["provider"]]
+        costs = self.ledger.record_costs_for(self.job.dataset, record.id, self.job.params_hash)
+        provenance = {
+            "provider": providers[0] if len(providers) == 1 else ",".join(providers),
+            "endpoint_tag": first.tag if len(providers) == 1 else ",".join(self._allowed[p].tag for p in providers),
+            "declared_quantization": first.declared_quantization,
+            "verdict": first.verdict,
+            "verification_run_id": self.job.verification_run_id,
+            "model": self.job.model,
+            "sampling": {
+                "temperature": self.job.sampling.temperature,
+                "top_p": self.job.sampling.top_p,
+                "max_tokens": self.job.sampling.max_tokens,
+                "seed": self.job.sampling.seed,
+            },
+            "usage": {
+                "prompt_tokens": sum(r["prompt_tokens"] for r in replies),
+                "completion_tokens": sum(r["completion_tokens"] for r in replies),
+                "cost_usd": round(costs, 10),
+            },
+            "generation_ids": [r["generation_id"] for r in replies],
+            "attempts": sum(r["attempts"] for r in replies),
+            "finish_reason": replies[-1]["finish_reason"],
+            "turns": [
+                {
+                    k: r[k]
+                    for k in (
+                        "provider",
+                        "generation_id",
+                        "finish_reason",
+                        "prompt_tokens",
+                        "completion_tokens",
+                        "cost_usd",
+                        "attempts",
+                    )
+                }
+                for r in replies
+            ],
+            "started_at": _iso(started),
+            "finished_at": _iso(time.time()),
+            "params_sha256": self.job.params_hash,
+            "quanthunt_version": __version__,
+        }
+        return json.dumps(
+            {"id": record.id, "dataset": self.job.dataset, "conversations": conversation, "provenance": provenance},
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
+
+    async def _request(self, key: RequestKey, messages: list[dict[str, str]]) -> dict[str, Any] | None:
+        job = self.job
+        body = chat_body(
+            model=job.model, messages=messages, max_tokens=job.sampling.max_tokens, temperature=job.sampling.temperature,
+            top_p=job.sampling.top_p, seed=job.sampling.request_seed(key.record_id, key.turn), routing=job.routing,
+        )  # fmt: skip
+        worst = estimate_prompt_tokens(messages) * job.worst_prompt_rate + job.sampling.max_tokens * job.worst_completion_rate
+        for attempt in range(1, job.retry.max_attempts + 1):
+            await self.cooldown.wait()
+            if self._stop.is_set():
+                return None
+            if not self.budget.reserve(worst):
+                self.stop(f"the run's spending cap (generate.max_usd_per_run ${job.max_usd:g}) would be exceeded")
+                return None
+            attempt_id: int = await self.writer.write(lambda: self.ledger.op_start(key, run_id=job.run_id, reserved_usd=worst))
+            self.progress.in_flight += 1
+
+            def note(generation_id: str, attempt_id: int = attempt_id) -> None:
+                self.writer.submit(lambda: self.ledger.op_generation_id(attempt_id, generation_id))
+
+            try:
+                reply = await self.chat.chat(body, on_headers=note)
+            except GatewayError as error:
+                self.progress.in_flight -= 1
+                outcome = await self._failed(key, attempt_id, worst, error)
+                if outcome == "stop" or attempt == job.retry.max_attempts:
+                    return None
+                await asyncio.sleep(
+                    error.retry_after_s if error.retry_after_s is not None else job.retry.delay(attempt, self.rng)
+                )
+                continue
+            self.progress.in_flight -= 1
+            result = await self._succeeded(key, attempt_id, worst, reply, attempt)
+            if result is not None:
+                return result
+        return None
+
+    async def _failed(self, key: RequestKey, attempt_id: int, worst: float, error: GatewayError) -> str:
+        kind = error.kind
+        self.progress.errors[kind] += 1
+        possibly_billed = kind in BILLED_UNKNOWN
+        if possibly_billed:
+            self.budget.unknown(worst)
+            if error.generation_id:
+                self._unknown_with_id.append((attempt_id, error.generation_id, worst))
+        else:
+            self.budget.settle(worst, 0.0)
+        retry = kind in RETRYABLE
+        state = "unknown_outcome" if possibly_billed else ("pending" if retry else "failed")
+        await self.writer.write(
+            lambda: self.ledger.op_finish(
+                key,
+                attempt_id,
+                state=state,
+                outcome="unknown" if possibly_billed else "failed_unbilled",
+                cost_usd=0.0,
+                http_status=error.status or None,
+                error_kind=kind,
+                generation_id=error.generation_id,
+                error=str(error)[:500],
+            )
+        )
+        if kind in OUT_OF_MONEY:
+            self.stop(f"the gateway refused for lack of money ({kind})", fatal=StopRun("", EXIT_OUT_OF_BUDGET))
+            return "stop"
+        if kind in STOPPING:
+            hint = STOPPING[kind] or "no eligible endpoint serves these requests (provider filters left nothing)"
+            self.stop(hint, fatal=StopRun(f"{hint}: {error}", EXIT_BAD_INPUT))
+            return "stop"
+        if kind == "http_429":
+            self.cooldown.extend(error.retry_after_s if error.retry_after_s is not None else 1.0)
+        if retry:
+            self.progress.retries[kind] += 1
+            return "retry"
+        return "stop"
+
+    async def _succeeded(
+        self, key: RequestKey, attempt_id: int, worst: float, reply: ChatReply, attempt: int
+    ) -> dict[str, Any] | None:
+        usage = reply.usage
+        cost = usage.cost if usage is not None and usage.cost is not None else worst
+        self.budget.settle(worst, cost)
+        prompt_tokens = usage.prompt_tokens if usage else 0
+        completion_tokens = usage.completion_tokens if usage else 0
+        provider = reply.provider or ""
+        if provider not in self._allowed:
+            self.progress.quarantined += 1
+            self.progress.errors["quarantined"] += 1
+            await self.writer.write(
+                lambda: self.ledger.op_finish(
+                    key,
+                    attempt_id,
+                    state="quarantined",
+                    outcome="quarantined",
+                    cost_usd=cost,
+                    provider=provider or None,
+                    generation_id=reply.generation_id,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    error=f"served by {provider or 'an unnamed provider'}, not an eligible provider",
+                )
+            )
+            return None
+        result = {
+            "content": reply.content,
+            "reasoning": reply.reasoning,
+            "provider": provider,
+            "generation_id": reply.generation_id,
+            "finish_reason": reply.finish_reason,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cost_usd": cost,
+            "attempts": attempt,
+        }
+        await self.writer.write(
+            lambda: self.ledger.op_finish(
+                key,
+                attempt_id,
+                state="done",
+                outcome="ok",
+                cost_usd=cost,
+                provider=provider,
+                generation_id=reply.generation_id,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                reply=result,
+            )
+        )
+        self.progress.requests_ok += 1
+        self.progress.output_tokens += completion_tokens
+        self.progress.providers[provider] += 1
+        if not self._token_budget_left():
+            self.stop("the dataset's output-token budget is reached")
+        return result
+
+    async def reconcile(self, lookup: Callable[[str], Any]) -> int:
+        """Settle this run's unknown-outcome attempts whose generation id is known, from the
+        gateway's generation records. Returns how many were reconciled."""
+        done = 0
+        for attempt_id, generation_id, reserved in self._unknown_with_id:
+            try:
+                record = await lookup(generation_id)
+            except GatewayError:
+                continue
+            self.ledger.reconcile(attempt_id, record.total_cost)
+            self.budget.reconciled(reserved, record.total_cost)
+            done += 1
+        return done
+
+
+def _iso(moment: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(moment, UTC).isoformat(timespec="milliseconds")
+
+
+@dataclass(frozen=True)
+class Repair:
+    """What ``prepare_output`` found and fixed before a run."""
+
+    done_ids: frozenset[str]
+    truncated_bytes: int
+    adopted: int
+    """Lines already in the file that the ledger had not marked done (a crash between)."""
+    restored: int
+    """Records the ledger marked done that were missing from the file, written back from
+    the ledger's copy of the line."""
+    edited: tuple[str, ...]
+    """Ids whose line differs from the one the ledger recorded (validation will name them)."""
+
+
+def prepare_output(path: Path, ledger: Ledger, dataset: str, params_hash: str) -> Repair:
+    """Make the output file and the ledger agree before generating (called under the
+    dataset's lock): cut a half-written last line, adopt lines the ledger missed, write back
+    done records the file lost. Refuses (``ConfigError``) to mix records made with other
+    sampling params, or a file with an id twice."""
+    from quanthunt.errors import ConfigError
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = path.read_bytes() if path.exists() else b""
+    truncated = 0
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        truncated = len(data) - keep
+        with path.open("r+b") as fh:
+            fh.truncate(keep)
+        data = data[:keep]
+    in_file: dict[str, str] = {}
+    for number, raw in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+        try:
+            entry = json.loads(raw)
+            record_id, record_hash = str(entry["id"]), entry["provenance"]["params_sha256"]
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{path}:{number}: not a generated record; move the file away to start over") from None
+        if record_hash != params_hash:
+            raise ConfigError(
+                f"{path}:{number}: record {record_id} was generated with other sampling params ({record_hash[:12]}); "
+                "move the file away or restore those params"
+            )
+        if record_id in in_file:
+            raise ConfigError(f"{path}:{number}: record {record_id} appears twice")
+        in_file[record_id] = raw
+    recorded = ledger.done_records(dataset, params_hash)
+    adopt = [(r, line) for r, line in in_file.items() if r not in recorded]
+    restore = [(r, line) for r, (_, line) in recorded.items() if r not in in_file]
+    edited = tuple(sorted(r for r, line in in_file.items() if r in recorded and sha256_line(line) != recorded[r][0]))
+    if adopt:
+        with ledger.transaction():
+            for record_id, line in adopt:
+                ledger.op_record(dataset, record_id, params_hash, line, sha256_line(line))
+    if restore:
+        with path.open("ab") as fh:
+            fh.write(b"".join((line + "\n").encode() for _, line in restore))
+            fh.flush()
+            os.fsync(fh.fileno())
+    return Repair(frozenset(in_file) | {r for r, _ in restore}, truncated, len(adopt), len(restore), edited)

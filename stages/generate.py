@@ -1,0 +1,252 @@
+"""Generate stage: regenerate one dataset's assistant turns through the eligible
+providers, resumably, under the run's dollar cap.
+
+``quanthunt generate DATASET``; DVC runs it once per dataset (a ``foreach`` stage).
+Exit codes: 0 done (or the dataset's token budget reached), 75 out of money (top up and
+rerun), 2 bad input or a gateway that cannot serve the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from quanthunt.connection import open_targets
+from quanthunt.errors import ConfigError
+from quanthunt.gateway import AiohttpChat, Gateway, Routing, resolve_api_key
+from quanthunt.generation import Eligible, Engine, Job, Progress, RecordSink, Retry, Sampling, StopRun, prepare_output
+from quanthunt.ledger import Ledger, LedgerWriter
+from quanthunt.locking import exclusive
+from quanthunt.outputs import write_atomic
+from quanthunt.params import Params, load_params
+from quanthunt.prompts import iter_prompts
+from quanthunt.survey import read_providers
+from quanthunt.tracking import repo_root, stage_run
+from quanthunt.verdicts import load_verdicts
+
+
+def generation_params_hash(params: Params) -> str:
+    """What a record's content depends on: model and sampling. Concurrency, budgets and
+    retry bounds may change between runs without starting the dataset over."""
+    keyed = {"model": params.survey.model, "sampling": params.generate.sampling.model_dump(mode="json")}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
+
+
+def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...], str | None]:
+    verdicts = load_verdicts(root / params.paths.verdicts)
+    if verdicts.model != params.survey.model:
+        raise ConfigError(
+            f"{root / params.paths.verdicts}: verdicts are for {verdicts.model}, not {params.survey.model}; rerun verify"
+        )
+    survey = {r.provider: r for r in read_providers(root / params.paths.survey_providers)}
+    chosen = []
+    for v in verdicts.eligible():
+        row = survey.get(v.provider)
+        if row is None:
+            raise ConfigError(f"{root / params.paths.survey_providers}: {v.provider} is verified but missing; rerun the survey")
+        chosen.append(Eligible(v.provider, v.tag, v.declared_quantization, v.verdict, row.prompt_usd_per_m / 1e6,
+                               row.completion_usd_per_m / 1e6, row.context_length))  # fmt: skip
+    if not chosen:
+        raise ConfigError(
+            f"{root / params.paths.verdicts}: no provider was verified equivalent; nothing can generate training data"
+        )
+    return tuple(chosen), verdicts.verification_run_id
+
+
+def limited(path: Path, max_records: int | None, skip: frozenset[str]):  # type: ignore[no-untyped-def]
+    """Stream the dataset's first ``max_records`` records that are not finished yet."""
+    for index, record in enumerate(iter_prompts(path)):
+        if max_records is not None and index >= max_records:
+            return
+        if record.id not in skip:
+            yield record
+
+
+def count_records(path: Path, max_records: int | None) -> int:
+    total = 0
+    for _ in iter_prompts(path):
+        total += 1
+        if max_records is not None and total >= max_records:
+            break
+    return total
+
+
+def status_table(job: Job, p: Progress, spent: float) -> Table:
+    elapsed = max(time.monotonic() - p.started, 1e-9)
+    done = p.records_done_before + p.records_done
+    table = Table.grid(padding=(0, 2))
+    table.add_row(f"[b]{job.dataset}[/b]", f"records {done}/{p.records_total}", f"failed {p.records_failed}",
+                  f"skipped {p.records_skipped}", f"in flight {p.in_flight}")  # fmt: skip
+    budget = f"/{job.max_output_tokens:,}" if job.max_output_tokens else ""
+    rate = p.requests_ok / elapsed
+    left = p.records_total - done - p.records_failed - p.records_skipped
+    eta = f"{left / (p.records_done / elapsed):.0f} s" if p.records_done else "?"
+    table.add_row(f"tokens {p.output_tokens_before + p.output_tokens:,}{budget}", f"${spent:.4f} of ${job.max_usd:g}",
+                  f"{rate:.1f} req/s", f"ETA {eta}")  # fmt: skip
+    retries = ", ".join(f"{k} {n}" for k, n in p.retries.most_common(4)) or "none"
+    errors = ", ".join(f"{k} {n}" for k, n in p.errors.most_common(4)) or "none"
+    table.add_row(f"retries: {retries}", f"errors: {errors}")
+    return table
+
+
+async def run(
+    params: Params, root: Path, dataset: str, api_url: str, console: Console
+) -> tuple[Job, Progress, Engine, dict[str, int]]:
+    paths, g = params.paths, params.generate
+    providers, verification_run_id = eligible_providers(params, root)
+    params_hash = generation_params_hash(params)
+    job = Job(
+        dataset=dataset,
+        model=params.survey.model,
+        sampling=Sampling(g.sampling.temperature, g.sampling.top_p, g.sampling.max_tokens, g.sampling.seed),
+        providers=providers,
+        routing=Routing(
+            only=tuple(p.tag for p in providers),
+            allow_fallbacks=False,
+            require_parameters=True,
+            data_collection=g.data_collection,
+            quantizations=g.quantizations,
+        ),
+        params_hash=params_hash,
+        run_id=uuid.uuid4().hex,
+        max_usd=g.max_usd_per_run,
+        max_output_tokens=g.max_output_tokens,
+        concurrency=g.concurrency,
+        retry=Retry(g.retry.max_attempts, g.retry.base_delay_s, g.retry.max_delay_s),
+        verification_run_id=verification_run_id,
+    )
+    prompts = paths.prompt_file(root, dataset)
+    output = root / paths.generated / f"{dataset}.jsonl"
+    ledger = Ledger(root / paths.ledger)
+    recovered = ledger.recover(dataset)
+    repair = prepare_output(output, ledger, dataset, params_hash)
+    if repair.truncated_bytes or repair.adopted or repair.restored or recovered:
+        console.print(f"resumed {dataset}: {len(repair.done_ids)} records already done; {recovered} requests were in flight "
+                      f"(counted as possibly billed); cut {repair.truncated_bytes} bytes of a half-written line; adopted "
+                      f"{repair.adopted} and restored {repair.restored} records")  # fmt: skip
+    if repair.edited:
+        example = repair.edited[0]
+        console.print(f"[yellow]warning: {len(repair.edited)} records in {output} differ from the ledger (e.g. {example}); "
+                      "validation will name them[/]")  # fmt: skip
+    total = count_records(prompts, g.max_records)
+    writer = LedgerWriter(ledger)
+    writer.start()
+    sink = RecordSink(output, ledger, writer, dataset, params_hash)
+    sink.start()
+    api_key = resolve_api_key(api_url)
+    try:
+        async with AiohttpChat(api_url, api_key=api_key) as chat, Gateway(api_url, api_key=api_key) as gateway:
+            for attempt_id, generation_id in ledger.unknown_with_generation_id(dataset):
+                try:
+                    ledger.reconcile(attempt_id, (await gateway.generation(generation_id)).total_cost)
+                except Exception:  # noqa: S112 - reconciliation is best effort; the charge stays counted as possible
+                    continue
+            engine = Engine(job, chat, ledger, writer, sink, done_turns=ledger.done_turns(dataset, params_hash))
+            engine.progress.records_total = total
+            engine.progress.records_done_before = len(repair.done_ids)
+            engine.progress.output_tokens_before = ledger.output_tokens(dataset, params_hash)
+            records = limited(prompts, g.max_records, repair.done_ids)
+            display = asyncio.ensure_future(show_progress(engine, job, console, g.progress_interval_s))
+            try:
+                await engine.run(records)
+            finally:
+                display.cancel()
+            await engine.reconcile(gateway.generation)
+    finally:
+        await sink.close()
+        await writer.close()
+    counts = ledger.state_counts(dataset)
+    ledger.close()
+    return job, engine.progress, engine, counts
+
+
+async def show_progress(engine: Engine, job: Job, console: Console, interval_s: float) -> None:
+    if console.is_terminal:
+        with Live(status_table(job, engine.progress, engine.budget.spent_usd), console=console, refresh_per_second=4) as live:
+            while True:
+                await asyncio.sleep(0.25)
+                live.update(status_table(job, engine.progress, engine.budget.spent_usd))
+    while True:
+        await asyncio.sleep(interval_s)
+        p = engine.progress
+        console.print(f"{job.dataset}: {p.records_done_before + p.records_done}/{p.records_total} records, "
+                      f"{p.in_flight} in flight, {p.output_tokens} tokens, ${engine.budget.spent_usd:.4f} spent, "
+                      f"retries {sum(p.retries.values())}, errors {sum(p.errors.values())}")  # fmt: skip
+
+
+def main(dataset: str, params_path: Path, *, console: Console | None = None) -> None:
+    """Run the generate stage for ``dataset`` with the params file at ``params_path``."""
+    console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+    params = load_params(params_path)
+    if dataset not in params.datasets:
+        raise ConfigError(f"{params_path}: datasets has no {dataset!r} (it lists {', '.join(params.datasets)})")
+    root = repo_root(params_path)
+    paths = params.paths
+    prompts = paths.prompt_file(root, dataset)
+    if not prompts.exists():
+        raise ConfigError(f"{prompts}: prompt dataset not found")
+    with exclusive(root / paths.locks / f"{dataset}.lock", what=f"quanthunt generate {dataset}"):
+        eligible_providers(params, root)  # fail fast, before starting a sandbox
+        section = params.generate
+        with stage_run(
+            "generate", params=params, section=section, root=root, experiment=params.tracking.experiment
+        ) as mlflow_run:
+            with open_targets(params, root=root, stage=f"generate-{dataset}", needs_model=True) as targets:
+                job, progress, engine, counts = asyncio.run(run(params, root, dataset, targets.api_url, console))
+            output = root / paths.generated / f"{dataset}.jsonl"
+            done = progress.records_done_before + progress.records_done
+            budget = engine.budget
+            summary = {
+                "dataset": dataset,
+                "records_total": progress.records_total,
+                "records_done": done,
+                "records_new": progress.records_done,
+                "records_failed": progress.records_failed,
+                "records_skipped": progress.records_skipped,
+                "skipped_reasons": dict(progress.skipped_reasons),
+                "output_tokens_new": progress.output_tokens,
+                "spent_usd_run": round(budget.settled_usd, 8),
+                "possibly_billed_usd_run": round(budget.unknown_usd, 8),
+                "requests_ok": progress.requests_ok,
+                "retries": dict(progress.retries),
+                "errors": dict(progress.errors),
+                "quarantined": progress.quarantined,
+                "providers": dict(progress.providers),
+                "request_states": counts,
+                "stop_reason": progress.stop_reason,
+                "params_sha256": job.params_hash,
+            }
+            write_atomic(root / paths.generate_reports / f"{dataset}.json", (json.dumps(summary, indent=2) + "\n").encode())
+            mlflow_run.log_metrics({k: v for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)})
+            mlflow_run.log_metrics(
+                {f"provider.{k}": v for k, v in progress.providers.items()}
+                | {f"errors.{k}": v for k, v in progress.errors.items()}
+            )
+            mlflow_run.set_tags({"dataset": dataset, "providers": ",".join(sorted(progress.providers)),
+                                 "cost_usd": f"{budget.settled_usd:.6f}", "stop_reason": progress.stop_reason or ""})  # fmt: skip
+            mlflow_run.log_input(prompts, context="prompts")
+            if output.exists():
+                mlflow_run.log_output(output)
+            console.print(f"{dataset}: {done}/{progress.records_total} records done ({progress.records_done} new, "
+                          f"{progress.output_tokens:,} new output tokens, ${budget.settled_usd:.4f} spent this run)")  # fmt: skip
+            fatal = engine.fatal
+            so_far = f"{done} of {progress.records_total} records of {dataset} are done"
+            if fatal is not None:
+                if fatal.exit_code == 75:
+                    resume = f"rerun `dvc repro` or `quanthunt generate {dataset}`"
+                    raise StopRun(f"stopped: {progress.stop_reason}. {so_far}; top up the key, then {resume} to continue "
+                                  "(finished records are kept and not paid for again)", 75)  # fmt: skip
+                raise StopRun(f"stopped: {fatal}", fatal.exit_code)
+            if progress.stop_reason and "cap" in progress.stop_reason:
+                raise StopRun(
+                    f"stopped: {progress.stop_reason}. {so_far}; raise generate.max_usd_per_run or rerun to continue", 75
+                )

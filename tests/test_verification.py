@@ -1,0 +1,159 @@
+"""The verification core: probe selection, pairing of logprobs, retries and decisions
+on simulated audits whose truth is known (fixed seeds)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+
+from quanthunt.gateway import GatewayError, TokenLogprob
+from quanthunt.prompts import PromptRecord, Turn
+from quanthunt.reference import Scored
+from quanthunt.verification import (
+    Audit,
+    LogprobCompletion,
+    Margins,
+    Policy,
+    SampledText,
+    Subject,
+    compare_logprobs,
+    decide,
+    select_probes,
+    with_retries,
+)
+
+MARGINS = Margins(mean_abs_dlogprob=0.08, tail_dlogprob=0.25, tail_p0=0.001, mean_loglik=0.15)
+POLICY = Policy(alpha=0.05, correction="holm", min_power=0.8, mixture_share=0.2, max_failed_share=0.25)
+
+
+def records(prefix: str, n: int) -> list[PromptRecord]:
+    return [PromptRecord(f"{prefix}{i}", (Turn("user", f"{prefix} question {i}"),)) for i in range(n)]
+
+
+def test_probes_are_stratified_and_reproducible() -> None:
+    datasets = {"b": records("b", 10), "a": records("a", 10), "c": records("c", 2)}
+    probes = select_probes(datasets, count=12, seed=7)
+    assert [p.dataset for p in probes[:6]] == ["a", "b", "c", "a", "b", "c"]
+    assert Counter(p.dataset for p in probes) == {"a": 5, "b": 5, "c": 2}
+    assert probes == select_probes(datasets, count=12, seed=7)
+    assert [p.id for p in probes] != [p.id for p in select_probes(datasets, count=12, seed=8)]
+    assert probes[0].as_messages() == [{"role": "user", "content": probes[0].messages[0][1]}]
+
+
+def token(text: str, logprob: float, top: dict[str, float] | None = None) -> TokenLogprob:
+    return TokenLogprob.model_validate(
+        {"token": text, "logprob": logprob, "top_logprobs": [{"token": t, "logprob": v} for t, v in (top or {text: logprob}).items()]}
+    )
+
+
+def test_pairing_stops_at_the_first_tokenization_mismatch() -> None:
+    scored = Scored(
+        tokens=["<s>", "Hi", " there", " friend", "!"],
+        logprobs=[None, -1.0, -0.5, -0.25, -2.0],
+        top=[None, {"Hi": -1.0}, {" there": -0.5, " you": -1.2}, {" friend": -0.25}, {"!": -2.0}],
+    )
+    provider = [token(" there", -0.4, {" there": -0.4, " you": -1.3}), token(" fri", -0.3), token("end", -0.1)]
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=2)
+    assert paired.aligned == 1 and paired.tokens == 3
+    assert paired.deltas == pytest.approx([0.1])
+    identical = compare_logprobs("p", 0, [token(" there", -0.5, {" there": -0.5, " you": -1.2})], scored, prompt_len=2)
+    assert identical.deltas == [0.0] and identical.kls == [0.0] and identical.top1_agree == [True]
+
+
+def test_retries_honour_retry_after_and_stop_on_permanent_errors() -> None:
+    calls: list[str] = []
+
+    async def flaky() -> str:
+        calls.append("x")
+        if len(calls) < 3:
+            raise GatewayError("busy", status=429, retry_after_s=0.01)
+        return "ok"
+
+    errors: Counter[str] = Counter()
+    assert asyncio.run(with_retries(flaky, attempts=3, errors=errors)) == "ok"
+    assert errors == {"http_429": 2}
+
+    async def refused() -> str:
+        raise GatewayError("bad request", status=400)
+
+    with pytest.raises(GatewayError):
+        asyncio.run(with_retries(refused, attempts=5, errors=errors))
+    assert errors["http_400"] == 1
+
+
+def logprob_audit(name: str, *, n: int, scale: float, extreme_share: float = 0.0, seed: int = 0, probes: int = 12) -> Audit:
+    rng = random.Random(seed)
+    audit = Audit(name, f"{name.lower()}/x", "logprob", attempted=n)
+    for i in range(n):
+        extreme = rng.random() < extreme_share
+        deltas = [rng.gauss(0, 0.8 if extreme else scale) for _ in range(24)]
+        audit.logprob.append(LogprobCompletion(f"p{i % probes}", i // probes, 24, 24, deltas, [0.0] * 24, [True] * 24))
+        audit.served_by[name] += 1
+    return audit
+
+
+def subject(name: str) -> Subject:
+    return Subject(name, f"{name.lower()}/x", "unknown", "candidate")
+
+
+def test_decisions_on_simulated_providers() -> None:
+    audits = [
+        logprob_audit("Faithful", n=24, scale=1e-6),
+        logprob_audit("Bf16", n=24, scale=0.04, seed=1),
+        logprob_audit("Nvfp4", n=24, scale=0.7, seed=2),
+        logprob_audit("Mixture", n=24, scale=0.04, extreme_share=0.25, seed=3),
+    ]
+    verdicts = decide([subject(a.provider) for a in audits], audits, MARGINS, POLICY, seed=0)
+    by_name = {v.provider: v for v in verdicts}
+    assert by_name["Faithful"].verdict == "equivalent" and by_name["Faithful"].eligible
+    assert by_name["Bf16"].verdict == "equivalent"
+    assert by_name["Nvfp4"].verdict == "different" and not by_name["Nvfp4"].eligible
+    assert by_name["Mixture"].verdict == "different"
+    assert "extreme completions" in by_name["Mixture"].reason
+    assert by_name["Mixture"].effects["mean_abs_dlogprob"].value < 0.3  # a mean shift alone would look mild
+    for v in verdicts:
+        assert all(t.p_adjusted is None or t.p_adjusted >= t.p_value for t in v.tests)
+
+
+def test_too_few_completions_are_inconclusive_with_the_probes_needed() -> None:
+    audit = logprob_audit("Small", n=3, scale=0.04, probes=3)
+    (verdict,) = decide([subject("Small")], [audit], MARGINS, POLICY, seed=0)
+    assert verdict.verdict == "inconclusive"
+    assert "power too low" in verdict.reason
+    assert verdict.probes_needed is not None and verdict.probes_needed >= 11
+
+
+def test_errors_and_misrouting_are_inconclusive() -> None:
+    failing = logprob_audit("Flaky", n=12, scale=1e-6)
+    failing.attempted, failing.failed = 20, 8
+    failing.errors["http_503"] = 24
+    rerouted = logprob_audit("Rerouted", n=24, scale=1e-6)
+    rerouted.served_by["Someone Else"] = 3
+    verdicts = decide([subject("Flaky"), subject("Rerouted")], [failing, rerouted], MARGINS, POLICY, seed=0)
+    assert verdicts[0].verdict == "inconclusive" and "8 of 20 probe requests failed (http_503 ×24)" in verdicts[0].reason
+    assert verdicts[1].verdict == "inconclusive" and "Someone Else ×3" in verdicts[1].reason
+
+
+def sample_audit(name: str, *, shift: float, k: int, seed: int) -> Audit:
+    rng = random.Random(seed)
+    audit = Audit(name, f"{name.lower()}/x", "sample")
+    for p in range(16):
+        base = rng.gauss(-2.0, 0.5)
+        for j in range(k):
+            audit.sampled.append(SampledText(f"p{p}", j, "provider", [1, 2, 3, j], base + shift + rng.gauss(0, 0.15)))
+            audit.sampled.append(SampledText(f"p{p}", j, "reference", [1, 2, 3, j + 1], base + rng.gauss(0, 0.15)))
+        audit.served_by[name] += k
+    return audit
+
+
+def test_sample_mode_decisions() -> None:
+    audits = [sample_audit("Same", shift=0.0, k=4, seed=1), sample_audit("Shifted", shift=-0.4, k=4, seed=2)]
+    verdicts = decide([subject("Same"), subject("Shifted")], audits, MARGINS, POLICY, seed=0)
+    assert verdicts[0].verdict == "equivalent"
+    assert verdicts[1].verdict == "different"
+    assert {t.kind for t in verdicts[0].tests} == {"difference", "equivalence", "baseline"}
+    shift = verdicts[0].effects["mean_loglik_shift"]
+    assert -MARGINS.mean_loglik < shift.ci_low <= shift.value <= shift.ci_high < MARGINS.mean_loglik
