@@ -144,7 +144,10 @@ async def run(
     sink.start()
     api_key = resolve_api_key(api_url)
     try:
-        async with AiohttpChat(api_url, api_key=api_key) as chat, Gateway(api_url, api_key=api_key) as gateway:
+        async with (
+            AiohttpChat(api_url, api_key=api_key, timeout_s=g.request_timeout_s) as chat,
+            Gateway(api_url, api_key=api_key) as gateway,
+        ):
             for attempt_id, generation_id in ledger.unknown_with_generation_id(dataset):
                 try:
                     ledger.reconcile(attempt_id, (await gateway.generation(generation_id)).total_cost)

@@ -4,4 +4,5 @@ pytest_plugins = [
     "fixtures.contracts",
     "fixtures.sandbox",
     "fixtures.project",
+    "fixtures.generation",
 ]

@@ -45,7 +45,11 @@ def test_probes_are_stratified_and_reproducible() -> None:
 
 def token(text: str, logprob: float, top: dict[str, float] | None = None) -> TokenLogprob:
     return TokenLogprob.model_validate(
-        {"token": text, "logprob": logprob, "top_logprobs": [{"token": t, "logprob": v} for t, v in (top or {text: logprob}).items()]}
+        {
+            "token": text,
+            "logprob": logprob,
+            "top_logprobs": [{"token": t, "logprob": v} for t, v in (top or {text: logprob}).items()],
+        }
     )
 
 

@@ -204,6 +204,8 @@ class Generate(_Section):
     quantizations: tuple[str, ...] | None = None
     """Also filter on declared quantization in the routing request (null: verification decides)."""
     retry: GenerateRetry = GenerateRetry()
+    request_timeout_s: float = Field(default=180.0, gt=0)
+    """A request with no complete reply after this long is abandoned (possibly billed) and retried."""
     progress_interval_s: float = Field(default=10.0, gt=0)
     """Seconds between plain progress lines when the output is not a terminal."""
 

@@ -49,12 +49,18 @@ def test_verdicts_match_the_roster_and_repeat(small: Project) -> None:
     assert len(verdicts["probe_ids"]) == 8
     assert verdicts["cost_usd"] == pytest.approx(sum(p["cost_usd"] for p in verdicts["providers"]))
     for provider in verdicts["providers"]:
-        assert provider["mlflow_run_id"] and provider["served_by"] == {provider["provider"]: provider["completions"] + provider["failed_requests"]} or provider["mode"] == "sample"
+        assert (
+            provider["mlflow_run_id"]
+            and provider["served_by"] == {provider["provider"]: provider["completions"] + provider["failed_requests"]}
+            or provider["mode"] == "sample"
+        )
     assert (small.root / "reports/verify/plots/chutes.png").read_bytes()[:4] == b"\x89PNG"
     assert "Chutes" in (small.root / "reports/verify/report.html").read_text()
 
     client = small.mlflow()
-    runs = client.search_runs([client.get_experiment_by_name("quanthunt").experiment_id], filter_string="tags.`quanthunt.stage` = 'verify'")
+    runs = client.search_runs(
+        [client.get_experiment_by_name("quanthunt").experiment_id], filter_string="tags.`quanthunt.stage` = 'verify'"
+    )
     (stage,) = runs
     nested = client.search_runs([stage.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{stage.info.run_id}'")
     assert sorted(r.data.tags["provider"] for r in nested) == ["Chutes", "Fireworks", "Moonshot AI", "Novita"]
@@ -63,7 +69,9 @@ def test_verdicts_match_the_roster_and_repeat(small: Project) -> None:
     assert again.returncode == 0, again.stderr
     repeat = json.loads((small.root / "reports/verify/verdicts.json").read_text())
     assert repeat["probe_ids"] == verdicts["probe_ids"]
-    assert [(p["provider"], p["verdict"]) for p in repeat["providers"]] == [(p["provider"], p["verdict"]) for p in verdicts["providers"]]
+    assert [(p["provider"], p["verdict"]) for p in repeat["providers"]] == [
+        (p["provider"], p["verdict"]) for p in verdicts["providers"]
+    ]
 
 
 def test_refuses_to_start_over_the_probe_budget(small: Project) -> None:

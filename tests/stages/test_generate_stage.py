@@ -1,0 +1,128 @@
+"""The generate stage against a latency-mode sandbox: records, provenance, resume,
+faults, money running out, and bad input."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+from fixtures.generation import GenerationBed
+
+Bed = Callable[..., GenerationBed]
+
+
+def assert_consistent(bed: GenerationBed, *, expected: int | None = None) -> list[dict[str, object]]:
+    records = bed.records()
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)), Counter(ids).most_common(3)
+    if expected is not None:
+        assert len(ids) == expected
+    settled, unknown = bed.ledger_spend()
+    charged = bed.charged_usd()
+    assert settled - 1e-9 <= charged <= settled + unknown + 1e-9, (settled, unknown, charged)
+    return records
+
+
+def test_clean_run_then_nothing_to_redo(generation_bed: Bed) -> None:
+    bed = generation_bed(records=40)
+    done = bed.generate()
+    assert done.returncode == 0, done.stderr
+    records = assert_consistent(bed, expected=40)
+    settled, unknown = bed.ledger_spend()
+    assert unknown == 0 and round(settled, 10) == round(bed.charged_usd(), 10)  # to the cent, and well beyond
+    first = next(r for r in records if r["id"] == "r0000")  # records are written as they finish, not in file order
+    assert [t["role"] for t in first["conversations"]] == ["user", "assistant", "user", "assistant"]  # regenerated, multi-turn
+    assert first["conversations"][1]["content"] != "old answer"
+    provenance = first["provenance"]
+    assert provenance["provider"] in {"Alpha", "Beta"} and provenance["verdict"] == "equivalent"
+    assert set(provenance) >= {"endpoint_tag", "declared_quantization", "verification_run_id", "model", "sampling", "usage",
+                               "generation_ids", "attempts", "finish_reason", "started_at", "finished_at", "params_sha256",
+                               "quanthunt_version"}  # fmt: skip
+    assert len(provenance["generation_ids"]) == 2
+    assert sum(r["provenance"]["usage"]["cost_usd"] for r in records) == pytest.approx(settled)
+    report = json.loads((bed.project.root / "reports/generate/tiny.json").read_text())
+    assert report["records_done"] == 40 and report["records_failed"] == 0
+
+    requests_before = bed.sandbox_stats()["requests"]
+    again = bed.generate()
+    assert again.returncode == 0, again.stderr
+    assert bed.sandbox_stats()["requests"] == requests_before  # nothing finished is requested (or paid for) again
+    assert_consistent(bed, expected=40)
+
+
+def test_faults_are_retried_and_reconciled(generation_bed: Bed) -> None:
+    faults = {"rate_limit": 0.08, "server_error": 0.05, "bad_gateway": 0.05, "unavailable": 0.05, "timeout": 0.03,
+              "connection_reset": 0.05, "malformed_json": 0.05, "truncated_body": 0.03, "finish_error": 0.05}  # fmt: skip
+    bed = generation_bed(faults=faults, records=40, params={"generate.retry.max_attempts": 12})
+    done = bed.generate()
+    assert done.returncode == 0, done.stderr
+    assert_consistent(bed, expected=40)
+    report = json.loads((bed.project.root / "reports/generate/tiny.json").read_text())
+    assert {"http_429", "http_500", "malformed", "finish_error"} <= set(report["errors"])
+    settled, unknown = bed.ledger_spend()
+    assert round(settled + unknown, 10) >= round(bed.charged_usd(), 10) >= round(settled, 10)
+
+
+def test_out_of_credit_exits_75_and_resumes_after_top_up(generation_bed: Bed) -> None:
+    bed = generation_bed(records=60, credits=0.004)
+    first = bed.generate()
+    assert first.returncode == 75, first.stderr
+    message = first.stderr.strip().splitlines()[-1]
+    assert "openrouter_credits" in message and "top up the key" in message and "records of tiny are done" in message
+    partial = assert_consistent(bed)
+    assert 0 < len(partial) < 60
+    bed.add_credit(10)
+    second = bed.generate()
+    assert second.returncode == 0, second.stderr
+    assert_consistent(bed, expected=60)
+    settled, unknown = bed.ledger_spend()
+    assert round(settled, 10) == round(bed.charged_usd(), 10) and unknown == 0
+
+
+def test_the_runs_own_cap_is_never_exceeded(generation_bed: Bed) -> None:
+    bed = generation_bed(records=60, params={"generate.max_usd_per_run": 0.003})
+    done = bed.generate()
+    assert done.returncode == 75, done.stderr
+    assert "spending cap" in done.stderr
+    settled, unknown = bed.ledger_spend()
+    assert settled + unknown <= 0.003 + 1e-12
+    assert 0 < len(assert_consistent(bed)) < 60
+
+
+def test_in_flight_reservations_wait_and_finish(generation_bed: Bed) -> None:
+    # max_tokens 256 but the sandbox answers 64 tokens: each of the 40 requests in flight
+    # reserves ~$0.001 while costing ~$0.00016. $0.02 of credit cannot cover the reservations
+    # at once (the gateway answers 402 in-flight) but pays for all ~50 requests.
+    bed = generation_bed(records=40, credits=0.02, latency_ms=200, params={"generate.sampling.max_tokens": 256})
+    done = bed.generate()
+    assert done.returncode == 0, done.stderr
+    report = json.loads((bed.project.root / "reports/generate/tiny.json").read_text())
+    assert report["errors"].get("openrouter_in_flight_budget", 0) > 0
+    assert_consistent(bed, expected=40)
+
+
+def test_bad_inputs(generation_bed: Bed) -> None:
+    bed = generation_bed(records=5)
+    prompts = bed.project.root / "data/prompts/tiny.jsonl"
+    good = prompts.read_text()
+    prompts.write_text(good + '{"id": "broken", "messages": [\n')
+    done = bed.generate()
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(f"error: {prompts}:6: not valid JSON")
+    assert not bed.output.exists() or bed.records() == []
+
+    prompts.write_text("\n")
+    done = bed.generate()
+    assert done.returncode == 2 and "has no prompt records" in done.stderr
+
+    prompts.write_text(good + json.dumps({"id": "huge", "messages": [{"role": "user", "content": "word " * 20000}]}) + "\n")
+    done = bed.generate()
+    assert done.returncode == 0, done.stderr
+    report = json.loads((bed.project.root / "reports/generate/tiny.json").read_text())
+    assert report["records_skipped"] == 1 and report["skipped_reasons"] == {"prompt over the context length": 1}
+    assert "huge" not in {r["id"] for r in bed.records()}
+
+    (bed.project.root / "reports/verify/verdicts.json").unlink()
+    done = bed.generate()
+    assert done.returncode == 2 and "run the verify stage first" in done.stderr
