@@ -91,7 +91,7 @@ def by_probe(pool: list[Item]) -> dict[str, list[Item]]:
 def mixture(
     faithful: dict[str, list[Item]], lower: dict[str, list[Item]], share: float, rng: random.Random
 ) -> dict[str, list[Item]]:
-    return {p: [lower[p][i] if rng.random() < share else faithful[p][i] for i in range(len(faithful[p]))] for p in faithful}
+    return {p: [lower[p][i] if rng.random() < share else item for i, item in enumerate(items)] for p, items in faithful.items()}
 
 
 def logprob_audit(pool: dict[str, list[Item]], n: int, rng: random.Random) -> Audit:
@@ -109,8 +109,8 @@ def logprob_audit(pool: dict[str, list[Item]], n: int, rng: random.Random) -> Au
 
 def sample_audit(pool: dict[str, list[Item]], reference: dict[str, list[Item]], k: int, rng: random.Random) -> Audit:
     audit = Audit("p", "p/x", "sample")
-    for probe in pool:
-        for source, items in (("provider", pool[probe]), ("reference", reference[probe])):
+    for probe, provided in pool.items():
+        for source, items in (("provider", provided), ("reference", reference[probe])):
             for j, item in enumerate(rng.sample(items, k)):
                 audit.sampled.append(SampledText(probe, j, source, item.token_ids, item.mean_loglik))
     return audit
@@ -162,9 +162,8 @@ def main() -> None:
     for name, values in (("int4-bf16act", bf16), ("nvfp4", nv)):
         q = np.quantile(values, [0.5, 0.99, 1.0] if name != "nvfp4" else [0.0, 0.01, 0.5])
         above = sum(v > m.tail_dlogprob for v in values)
-        print(
-            f"  {name:<13} mean {statistics.fmean(values):.4f}  quantiles {np.round(q, 4).tolist()}  above threshold {above}/{len(values)}"
-        )
+        mean = statistics.fmean(values)
+        print(f"  {name:<13} mean {mean:.4f}  quantiles {np.round(q, 4).tolist()}  above threshold {above}/{len(values)}")
 
     subjects = ("int4-native", "int4-bf16act", "nvfp4", "mix-20%-nvfp4")
     budgets = (1, 2, 3, 5, 8, 11, 15, 20)
@@ -193,8 +192,10 @@ def main() -> None:
                 sm_rate[(name, k, "ours")] += different(tests, policy.alpha)
                 provider = [s for s in audit.sampled if s.source == "provider"]
                 ref = [s for s in audit.sampled if s.source == "reference"]
-                mmd = stats.mmd_hamming_test([s.token_ids for s in provider], [s.token_ids for s in ref],
-                                             [s.probe_id for s in provider], [s.probe_id for s in ref], n_permutations=500, rng=nrng)  # fmt: skip
+                mmd = stats.mmd_hamming_test(
+                    [s.token_ids for s in provider], [s.token_ids for s in ref],
+                    [s.probe_id for s in provider], [s.probe_id for s in ref], n_permutations=500, rng=nrng,
+                )  # fmt: skip
                 sm_rate[(name, k, "mmd")] += mmd.pvalue < policy.alpha
     s = args.seeds
     print(f"\nLogprob mode: share of {s} seeds found DIFFERENT (alpha {policy.alpha}; faithful rows are false-positive rates)")

@@ -24,12 +24,9 @@ def invariants(bed: GenerationBed) -> int:
     assert len(ids) == len(set(ids)), "a record appears twice"
     db = sqlite3.connect(bed.project.root / "state/ledger.sqlite")
     marked = {r for (r,) in db.execute("SELECT record_id FROM records WHERE dataset='tiny'")}
-    per_run = [c + u for c, u in db.execute(
-        "SELECT SUM(cost_usd), COALESCE(SUM(CASE WHEN outcome='unknown' OR outcome IS NULL THEN reserved_usd END), 0) "
-        "FROM attempts GROUP BY run_id")]  # fmt: skip
-    settled, unknown = db.execute(
-        "SELECT SUM(cost_usd), COALESCE(SUM(CASE WHEN outcome='unknown' OR outcome IS NULL THEN reserved_usd END), 0) FROM attempts"
-    ).fetchone()
+    spent = "SUM(cost_usd), COALESCE(SUM(CASE WHEN outcome='unknown' OR outcome IS NULL THEN reserved_usd END), 0)"
+    per_run = [c + u for c, u in db.execute(f"SELECT {spent} FROM attempts GROUP BY run_id")]
+    settled, unknown = db.execute(f"SELECT {spent} FROM attempts").fetchone()
     db.close()
     assert marked <= set(ids), f"done in the ledger but missing from the file: {sorted(marked - set(ids))[:3]}"
     assert all(spent <= CAP + 1e-12 for spent in per_run)
@@ -42,7 +39,7 @@ def test_kill_anywhere_then_resume(generation_bed: Callable[..., GenerationBed])
     rng = random.Random(1234)
     counts = []
     for _ in range(6):
-        proc = subprocess.Popen(  # noqa: S603
+        proc = subprocess.Popen(
             [str(BIN / "quanthunt"), "generate", "tiny", "--params", "params.yaml"], cwd=bed.project.root, env=bed.project.env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
