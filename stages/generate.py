@@ -9,7 +9,6 @@ rerun), 2 bad input or a gateway that cannot serve the request.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import sys
 import time
@@ -23,7 +22,18 @@ from rich.table import Table
 from quanthunt.connection import open_targets
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import AiohttpChat, Gateway, Routing, resolve_api_key
-from quanthunt.generation import Eligible, Engine, Job, Progress, RecordSink, Retry, Sampling, StopRun, prepare_output
+from quanthunt.generation import (
+    Eligible,
+    Engine,
+    Job,
+    Progress,
+    RecordSink,
+    Retry,
+    Sampling,
+    StopRun,
+    params_hash,
+    prepare_output,
+)
 from quanthunt.ledger import Ledger, LedgerWriter
 from quanthunt.locking import exclusive
 from quanthunt.outputs import write_atomic
@@ -35,10 +45,7 @@ from quanthunt.verdicts import load_verdicts
 
 
 def generation_params_hash(params: Params) -> str:
-    """What a record's content depends on: model and sampling. Concurrency, budgets and
-    retry bounds may change between runs without starting the dataset over."""
-    keyed = {"model": params.survey.model, "sampling": params.generate.sampling.model_dump(mode="json")}
-    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
+    return params_hash(params.survey.model, params.generate.sampling.model_dump(mode="json"))
 
 
 def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...], str | None]:

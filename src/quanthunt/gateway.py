@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import email.utils
+import functools
 import ipaddress
 import json
 import math
@@ -351,6 +352,11 @@ class Routing:
     def to_json(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
 
+    @functools.cached_property
+    def json(self) -> dict[str, Any]:
+        """``to_json()``, computed once (the generation hot path sends it with every request)."""
+        return self.to_json()
+
     @classmethod
     def pinned(cls, tag: str) -> Routing:
         """Exactly one endpoint, no fallbacks, and only if it honours every parameter."""
@@ -379,7 +385,7 @@ def chat_body(
         if top_logprobs:
             body["top_logprobs"] = top_logprobs
     if routing is not None:
-        body["provider"] = routing.to_json()
+        body["provider"] = routing.json
     return body
 
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import orjson
+
 from quanthunt import __version__
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
 from quanthunt.gateway import ChatReply, GatewayError, Routing, chat_body
@@ -134,6 +136,13 @@ class Job:
     @property
     def context_length(self) -> int:
         return min(p.context_length for p in self.providers)
+
+
+def params_hash(model: str, sampling: Mapping[str, Any]) -> str:
+    """What a record's content depends on: the model and the sampling params. Concurrency,
+    budgets and retry bounds may change between runs without starting a dataset over."""
+    keyed = {"model": model, "sampling": dict(sampling)}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
 
 
 def estimate_prompt_tokens(messages: Iterable[Mapping[str, str]]) -> int:
@@ -421,11 +430,9 @@ class Engine:
             "params_sha256": self.job.params_hash,
             "quanthunt_version": __version__,
         }
-        return json.dumps(
-            {"id": record.id, "dataset": self.job.dataset, "conversations": conversation, "provenance": provenance},
-            ensure_ascii=False,
-            separators=(",", ":"),
-        )
+        return orjson.dumps(
+            {"id": record.id, "dataset": self.job.dataset, "conversations": conversation, "provenance": provenance}
+        ).decode()
 
     async def _request(self, key: RequestKey, messages: list[dict[str, str]]) -> dict[str, Any] | None:
         job = self.job
@@ -444,12 +451,17 @@ class Engine:
             attempt_id: int = await self.writer.write(lambda: self.ledger.op_start(key, run_id=job.run_id, reserved_usd=worst))
             self.progress.in_flight += 1
 
-            def note(generation_id: str, attempt_id: int = attempt_id) -> None:
-                self.writer.submit(lambda: self.ledger.op_generation_id(attempt_id, generation_id))
+            answered: list[bool] = []
+
+            def note(generation_id: str, attempt_id: int = attempt_id, answered: list[bool] = answered) -> None:
+                # Persist the id as soon as the headers arrive, unless the whole reply is in
+                # before the write runs (then the finish records it): saves a write per request.
+                self.writer.submit(lambda: None if answered else self.ledger.op_generation_id(attempt_id, generation_id))
 
             try:
                 reply = await self.chat.chat(body, on_headers=note)
             except GatewayError as error:
+                answered.append(True)
                 self.progress.in_flight -= 1
                 outcome = await self._failed(key, attempt_id, worst, error)
                 if outcome == "stop" or attempt == job.retry.max_attempts:
@@ -458,6 +470,7 @@ class Engine:
                     error.retry_after_s if error.retry_after_s is not None else job.retry.delay(attempt, self.rng)
                 )
                 continue
+            answered.append(True)
             self.progress.in_flight -= 1
             result = await self._succeeded(key, attempt_id, worst, reply, attempt)
             if result is not None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from quanthunt.errors import ConfigError
 
 STATES = ("pending", "in_flight", "done", "failed", "unknown_outcome", "quarantined")
@@ -221,7 +223,7 @@ class Ledger:
                       completion_tokens=COALESCE(?, completion_tokens), reply=COALESCE(?, reply), last_error=?, updated_at=?
                WHERE dataset=? AND record_id=? AND turn=? AND params_hash=?""",
             (state, cost_usd, provider, generation_id, prompt_tokens, completion_tokens,
-             json.dumps(reply, ensure_ascii=False) if reply is not None else None, error, now, *key.tuple()),
+             orjson.dumps(reply).decode() if reply is not None else None, error, now, *key.tuple()),
         )  # fmt: skip
 
     def op_record(self, dataset: str, record_id: str, params_hash: str, line: str, line_sha256: str) -> None:

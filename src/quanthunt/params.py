@@ -24,7 +24,7 @@ SANDBOX = "sandbox"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True)
 
 
 def check_base_url(value: str) -> str:
@@ -47,6 +47,10 @@ class Paths(_Section):
     generated: str = "data/generated"
     """``<dataset>.jsonl`` per dataset: the regenerated records (persisted, resumable)."""
     generate_reports: str = "reports/generate"
+    final: str = "data/final"
+    """``<dataset>.jsonl`` (SpecForge / EAGLE-3 form) and ``<dataset>.card.json`` per dataset."""
+    validate_reports: str = "reports/validate"
+    report: str = "reports/index.html"
     ledger: str = "state/ledger.sqlite"
     locks: str = "state/locks"
     logs: str = "logs"
@@ -218,6 +222,12 @@ class Generate(_Section):
         return value
 
 
+class Validate(_Section):
+    max_truncated_share: float = Field(default=1.0, ge=0, le=1)
+    """Largest share of records whose last answer stopped at max_tokens."""
+    max_failure_examples: int = Field(default=5, ge=1, le=100)
+
+
 class Params(_Section):
     """The whole ``params.yaml``."""
 
@@ -231,6 +241,7 @@ class Params(_Section):
     survey: Survey
     verify: Verify = Verify()
     generate: Generate = Generate()
+    validate_: Validate = Field(default=Validate(), alias="validate")
 
     @field_validator("datasets")
     @classmethod

@@ -34,6 +34,16 @@ def generate(
     stage.main(dataset, params)
 
 
+def validate(
+    dataset: Annotated[str, typer.Argument(help="A dataset named in params.yaml's datasets.")],
+    params: ParamsOption = Path("params.yaml"),
+) -> None:
+    """Check a generated dataset and export it for SpecForge with its provenance card."""
+    from stages import validate as stage
+
+    stage.main(dataset, params)
+
+
 def register(app: typer.Typer) -> None:
-    for command in (survey, verify, generate):
+    for command in (survey, verify, generate, validate):
         app.command(rich_help_panel="Pipeline stages")(command)

@@ -1,0 +1,176 @@
+"""Validate stage: check a generated dataset and export it for SpecForge with its
+provenance card. A failed check fails the stage (exit 2, the report names record and
+check) and leaves the previous final file untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from quanthunt import schemas
+from quanthunt.errors import ConfigError, QuanthuntError
+from quanthunt.generation import params_hash
+from quanthunt.ledger import Ledger
+from quanthunt.outputs import Outputs, write_atomic
+from quanthunt.params import load_params, section_digest
+from quanthunt.tracking import git_state, repo_root, search_stage_runs, stage_run
+from quanthunt.validation import check, final_record
+from quanthunt.verdicts import load_verdicts
+
+
+class ValidationFailed(QuanthuntError):
+    """The dataset failed a check; the report says which records and why."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def dumps(data: Any) -> str:
+    import orjson
+
+    return orjson.dumps(data).decode()
+
+
+def main(dataset: str, params_path: Path, *, console: Console | None = None) -> None:
+    """Run the validate stage for ``dataset`` with the params file at ``params_path``."""
+    console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+    params = load_params(params_path)
+    if dataset not in params.datasets:
+        raise ConfigError(f"{params_path}: datasets has no {dataset!r} (it lists {', '.join(params.datasets)})")
+    root = repo_root(params_path)
+    paths = params.paths
+    generated = root / paths.generated / f"{dataset}.jsonl"
+    if not generated.exists():
+        raise ConfigError(f"{generated}: generated dataset not found; run `quanthunt generate {dataset}` first")
+    verdicts = load_verdicts(root / paths.verdicts)
+    verdict_rows = [v.model_dump() for v in verdicts.providers]
+    table_failures = schemas.failures(
+        schemas.verdicts_table, schemas.frame(verdict_rows, schemas.verdicts_table.columns), id_column="provider"
+    )
+    if table_failures:
+        raise ConfigError(f"{root / paths.verdicts}: {table_failures[0].line()}")
+    eligible = {v.provider: v for v in verdicts.eligible()}
+    sampling = params.generate.sampling
+    hashed = params_hash(params.survey.model, sampling.model_dump(mode="json"))
+    ledger = Ledger(root / paths.ledger)
+    try:
+        recorded = ledger.done_records(dataset, hashed)
+        costs = ledger.record_costs(dataset, hashed)
+    finally:
+        ledger.close()
+    export = schemas.frame(
+        [{"record_id": r, "cost_usd": costs.get(r, 0.0), "line_sha256": sha} for r, (sha, _) in recorded.items()],
+        ["record_id", "cost_usd", "line_sha256"],
+    )
+    ledger_failures = schemas.failures(schemas.ledger_export, export, id_column="record_id")
+    if ledger_failures:
+        raise ConfigError(f"{root / paths.ledger}: {ledger_failures[0].line()}")
+    lines = generated.read_text(encoding="utf-8").splitlines()
+    report_path = root / paths.validate_reports / f"{dataset}.json"
+    with stage_run("validate", params=params, section=params.validate_, root=root, experiment=params.tracking.experiment) as run:
+        checked = check(
+            lines,
+            max_tokens=sampling.max_tokens,
+            eligible=list(eligible),
+            params_sha256=hashed,
+            ledger_lines={r: sha for r, (sha, _) in recorded.items()},
+            ledger_costs=costs,
+            max_truncated_share=params.validate_.max_truncated_share,
+            first=params.validate_.max_failure_examples,
+        )
+        report: dict[str, Any] = {
+            "dataset": dataset,
+            "status": "passed" if checked.ok else "failed",
+            **checked.metrics,
+            "failures": [f.__dict__ for f in checked.failures],
+        }
+        run.set_tags(
+            {
+                "dataset": dataset,
+                "status": report["status"],
+                "providers": ",".join(sorted(checked.metrics["providers"])),
+                "cost_usd": f"{checked.metrics['cost_usd']:.8f}",
+            }
+        )
+        run.log_metrics({k: v for k, v in checked.metrics.items() if isinstance(v, int | float)})
+        run.log_input(generated, context="generated")
+        if not checked.ok:
+            write_atomic(report_path, (dumps(report) + "\n").encode())
+            run.log_artifact(report_path)
+            for failure in checked.failures:
+                console.print(f"[red]{dataset}: {failure.line()}[/]")
+            raise ValidationFailed(
+                f"validation of {dataset} failed {len(checked.failures)} check(s); first: {checked.failures[0].line()}; "
+                f"see {report_path} (the previous final file is untouched)"
+            )
+        final_path = root / paths.final / f"{dataset}.jsonl"
+        card_path = root / paths.final / f"{dataset}.card.json"
+        final_text = "".join(dumps(final_record(entry)) + "\n" for entry in checked.records)
+        commit, dirty = git_state(root)
+        generation_runs = [
+            r["run_id"]
+            for r in search_stage_runs(root, params.tracking.experiment, stage="generate", last=50)
+            if r["tags"].get("dataset") == dataset
+        ]
+        card = {
+            "dataset": dataset,
+            "records": checked.metrics["records"],
+            "tokens": {"prompt": checked.metrics["prompt_tokens"], "completion": checked.metrics["completion_tokens"]},
+            "cost_usd": checked.metrics["cost_usd"],
+            "model": params.survey.model,
+            "reference_model": verdicts.reference_model,
+            "providers": [
+                {
+                    "provider": name,
+                    "tag": v.tag,
+                    "declared_quantization": v.declared_quantization,
+                    "verdict": v.verdict,
+                    "verification_mode": v.mode,
+                    "measured": {k: e.value for k, e in v.effects.items()},
+                    "verdict_run_id": v.mlflow_run_id,
+                    "records_served": checked.metrics["providers"].get(name, 0),
+                }
+                for name, v in eligible.items()
+                if checked.metrics["providers"].get(name)
+            ],
+            "sampling": sampling.model_dump(mode="json"),
+            "params_sha256": {
+                "generation": hashed,
+                "validate": section_digest(params.validate_),
+                "verify": verdicts.params_sha256,
+            },
+            "git": {"commit": commit, "dirty": dirty},
+            "digests": {
+                "prompts_sha256": sha256_file(paths.prompt_file(root, dataset)),
+                "generated_sha256": sha256_file(generated),
+                "final_sha256": hashlib.sha256(final_text.encode()).hexdigest(),
+            },
+            "mlflow": {
+                "validate_run_id": run.run_id,
+                "verification_run_id": verdicts.verification_run_id,
+                "generation_run_ids": generation_runs[:5],
+            },
+            "checks": {
+                "passed": True,
+                "truncated_share": checked.metrics["truncated_share"],
+                "near_duplicate_share": checked.metrics["near_duplicate_share"],
+            },
+        }
+        with Outputs() as out:
+            out.write_text(final_path, final_text)
+            out.write_json(card_path, card)
+            out.write_json(report_path, report)
+        run.log_output(final_path)
+        run.log_artifact(card_path)
+        run.log_artifact(report_path)
+        console.print(f"{dataset}: {checked.metrics['records']} records passed validation -> {final_path}")
