@@ -8,7 +8,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install run test lint typecheck unit clean
+.PHONY: install browser run test lint typecheck unit clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,14 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Debian's Chromium renders the report in the tests. Installed when missing and we may
+# (root with apt-get); otherwise the browser test reports itself skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "note: chromium not installed; the report's browser test will be skipped"; fi; }
 
 # Initialise git and DVC when needed, then run the whole pipeline against the sandbox.
 run: install
@@ -39,7 +47,7 @@ typecheck: install
 unit: install
 	$(BIN)/pytest
 
-test: lint typecheck unit
+test: browser lint typecheck unit
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -21,14 +21,16 @@ def _figure(width: float = 7.0, height: float = 3.2) -> tuple[Any, Any]:
     return fig, axes
 
 
-def _png(fig: Any) -> bytes:
+def png(fig: Any) -> bytes:
+    """Render a figure to PNG bytes and close it."""
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buffer, format="png")
     plt.close(fig)
-    return buffer.getvalue()
+    data: bytes = buffer.getvalue()
+    return data
 
 
 def _ecdf(ax: Any, values: Sequence[float], label: str, **style: Any) -> None:
@@ -52,7 +54,7 @@ def logprob_audit(title: str, deltas: Sequence[float], completion_means: Sequenc
     right.axvline(tail, color="#ee6677", linestyle=":", label=f"extreme > {tail:g}")
     right.set_xlabel("mean |Δ| per completion")
     right.legend(fontsize=7)
-    return _png(fig)
+    return png(fig)
 
 
 def sample_audit(title: str, provider: Sequence[float], reference: Sequence[float]) -> bytes:
@@ -67,7 +69,7 @@ def sample_audit(title: str, provider: Sequence[float], reference: Sequence[floa
     right.hist([provider, reference], bins=15, label=["provider", "reference"], color=["#ee6677", "#4477aa"])
     right.set_xlabel("reference log-likelihood per token")
     right.legend(fontsize=7)
-    return _png(fig)
+    return png(fig)
 
 
 def bars(title: str, values: Mapping[str, float], *, xlabel: str) -> bytes:
@@ -83,7 +85,7 @@ def bars(title: str, values: Mapping[str, float], *, xlabel: str) -> bytes:
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9)
     ax.invert_yaxis()
-    return _png(fig)
+    return png(fig)
 
 
 def data_uri(png: bytes) -> str:

@@ -51,6 +51,8 @@ class Paths(_Section):
     """``<dataset>.jsonl`` (SpecForge / EAGLE-3 form) and ``<dataset>.card.json`` per dataset."""
     validate_reports: str = "reports/validate"
     report: str = "reports/index.html"
+    plots_verification: str = "reports/plots/verification.csv"
+    plots_cost: str = "reports/plots/cost.csv"
     ledger: str = "state/ledger.sqlite"
     locks: str = "state/locks"
     logs: str = "logs"

@@ -44,6 +44,13 @@ def validate(
     stage.main(dataset, params)
 
 
+def report(params: ParamsOption = Path("params.yaml")) -> None:
+    """Build reports/index.html and the series behind `dvc plots`."""
+    from stages import report as stage
+
+    stage.main(params)
+
+
 def register(app: typer.Typer) -> None:
-    for command in (survey, verify, generate, validate):
+    for command in (survey, verify, generate, validate, report):
         app.command(rich_help_panel="Pipeline stages")(command)

@@ -1,0 +1,75 @@
+"""Report stage: ``reports/index.html`` for people, and the CSV series ``dvc plots``
+draws (verification effects, cost by dataset and provider)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from quanthunt.outputs import Outputs
+from quanthunt.params import load_params
+from quanthunt.report import DatasetView, cost_rows, csv_text, json_lines, render, verification_rows
+from quanthunt.survey import read_providers
+from quanthunt.tracking import repo_root, stage_run
+from quanthunt.verdicts import load_verdicts
+
+
+def _json(path: Path) -> dict[str, object] | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def main(params_path: Path, *, console: Console | None = None) -> None:
+    """Build the report from whatever the pipeline has produced."""
+    console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+    params = load_params(params_path)
+    root = repo_root(params_path)
+    paths = params.paths
+    providers = read_providers(root / paths.survey_providers)
+    verdicts = load_verdicts(root / paths.verdicts)
+    plots = {}
+    for v in verdicts.providers:
+        png = root / paths.verify_plots / (re.sub(r"[^a-z0-9]+", "-", v.provider.lower()).strip("-") + ".png")
+        if png.exists():
+            plots[v.provider] = png.read_bytes()
+    datasets = []
+    for name in params.datasets:
+        final = root / paths.final / f"{name}.jsonl"
+        records = json_lines(final.read_text(encoding="utf-8")) if final.exists() else []
+        datasets.append(
+            DatasetView(
+                name,
+                records,
+                _json(root / paths.final / f"{name}.card.json"),
+                _json(root / paths.validate_reports / f"{name}.json"),
+                _json(root / paths.generate_reports / f"{name}.json"),
+            )
+        )
+    m, d = params.verify.margin, params.verify.decision
+    with stage_run(
+        "report", params=params, section=params.verify.decision, root=root, experiment=params.tracking.experiment
+    ) as run:
+        page = render(
+            model=params.survey.model,
+            providers=providers,
+            verdicts=verdicts,
+            provider_plots=plots,
+            datasets=datasets,
+            alpha=d.alpha,
+            p0=m.tail_p0,
+            share=d.mixture_share,
+        )
+        costs = cost_rows(datasets)
+        with Outputs() as out:
+            out.write_text(root / paths.report, page)
+            out.write_text(
+                root / paths.plots_verification,
+                csv_text(verification_rows(verdicts), ["provider", "verdict", "mode", "effect", "ci_low", "ci_high"]),
+            )
+            out.write_text(root / paths.plots_cost, csv_text(costs, ["dataset", "provider", "cost_usd", "records"]))
+        run.log_artifact(root / paths.report)
+        run.log_metrics({"records": sum(len(x.records) for x in datasets), "cost_usd": sum(r["cost_usd"] for r in costs)})
+        console.print(f"report: {root / paths.report}")
