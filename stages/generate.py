@@ -60,8 +60,17 @@ def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...]
         row = survey.get(v.provider)
         if row is None:
             raise ConfigError(f"{root / params.paths.survey_providers}: {v.provider} is verified but missing; rerun the survey")
-        chosen.append(Eligible(v.provider, v.tag, v.declared_quantization, v.verdict, row.prompt_usd_per_m / 1e6,
-                               row.completion_usd_per_m / 1e6, row.context_length))  # fmt: skip
+        chosen.append(
+            Eligible(
+                v.provider,
+                v.tag,
+                v.declared_quantization,
+                v.verdict,
+                row.prompt_usd_per_m / 1e6,
+                row.completion_usd_per_m / 1e6,
+                row.context_length,
+            )
+        )
     if not chosen:
         raise ConfigError(
             f"{root / params.paths.verdicts}: no provider was verified equivalent; nothing can generate training data"
@@ -91,14 +100,23 @@ def status_table(job: Job, p: Progress, spent: float) -> Table:
     elapsed = max(time.monotonic() - p.started, 1e-9)
     done = p.records_done_before + p.records_done
     table = Table.grid(padding=(0, 2))
-    table.add_row(f"[b]{job.dataset}[/b]", f"records {done}/{p.records_total}", f"failed {p.records_failed}",
-                  f"skipped {p.records_skipped}", f"in flight {p.in_flight}")  # fmt: skip
+    table.add_row(
+        f"[b]{job.dataset}[/b]",
+        f"records {done}/{p.records_total}",
+        f"failed {p.records_failed}",
+        f"skipped {p.records_skipped}",
+        f"in flight {p.in_flight}",
+    )
     budget = f"/{job.max_output_tokens:,}" if job.max_output_tokens else ""
     rate = p.requests_ok / elapsed
     left = p.records_total - done - p.records_failed - p.records_skipped
     eta = f"{left / (p.records_done / elapsed):.0f} s" if p.records_done else "?"
-    table.add_row(f"tokens {p.output_tokens_before + p.output_tokens:,}{budget}", f"${spent:.4f} of ${job.max_usd:g}",
-                  f"{rate:.1f} req/s", f"ETA {eta}")  # fmt: skip
+    table.add_row(
+        f"tokens {p.output_tokens_before + p.output_tokens:,}{budget}",
+        f"${spent:.4f} of ${job.max_usd:g}",
+        f"{rate:.1f} req/s",
+        f"ETA {eta}",
+    )
     retries = ", ".join(f"{k} {n}" for k, n in p.retries.most_common(4)) or "none"
     errors = ", ".join(f"{k} {n}" for k, n in p.errors.most_common(4)) or "none"
     table.add_row(f"retries: {retries}", f"errors: {errors}")
@@ -137,13 +155,17 @@ async def run(
     recovered = ledger.recover(dataset)
     repair = prepare_output(output, ledger, dataset, params_hash)
     if repair.truncated_bytes or repair.adopted or repair.restored or recovered:
-        console.print(f"resumed {dataset}: {len(repair.done_ids)} records already done; {recovered} requests were in flight "
-                      f"(counted as possibly billed); cut {repair.truncated_bytes} bytes of a half-written line; adopted "
-                      f"{repair.adopted} and restored {repair.restored} records")  # fmt: skip
+        console.print(
+            f"resumed {dataset}: {len(repair.done_ids)} records already done; {recovered} requests were in flight "
+            f"(counted as possibly billed); cut {repair.truncated_bytes} bytes of a half-written line; adopted "
+            f"{repair.adopted} and restored {repair.restored} records"
+        )
     if repair.edited:
         example = repair.edited[0]
-        console.print(f"[yellow]warning: {len(repair.edited)} records in {output} differ from the ledger (e.g. {example}); "
-                      "validation will name them[/]")  # fmt: skip
+        console.print(
+            f"[yellow]warning: {len(repair.edited)} records in {output} differ from the ledger (e.g. {example}); "
+            "validation will name them[/]"
+        )
     total = count_records(prompts, g.max_records)
     writer = LedgerWriter(ledger)
     writer.start()
@@ -188,9 +210,11 @@ async def show_progress(engine: Engine, job: Job, console: Console, interval_s: 
     while True:
         await asyncio.sleep(interval_s)
         p = engine.progress
-        console.print(f"{job.dataset}: {p.records_done_before + p.records_done}/{p.records_total} records, "
-                      f"{p.in_flight} in flight, {p.output_tokens} tokens, ${engine.budget.spent_usd:.4f} spent, "
-                      f"retries {sum(p.retries.values())}, errors {sum(p.errors.values())}")  # fmt: skip
+        console.print(
+            f"{job.dataset}: {p.records_done_before + p.records_done}/{p.records_total} records, "
+            f"{p.in_flight} in flight, {p.output_tokens} tokens, ${engine.budget.spent_usd:.4f} spent, "
+            f"retries {sum(p.retries.values())}, errors {sum(p.errors.values())}"
+        )
 
 
 def main(dataset: str, params_path: Path, *, console: Console | None = None) -> None:
@@ -241,21 +265,39 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
                 {f"provider.{k}": v for k, v in progress.providers.items()}
                 | {f"errors.{k}": v for k, v in progress.errors.items()}
             )
-            mlflow_run.set_tags({"dataset": dataset, "providers": ",".join(sorted(progress.providers)),
-                                 "cost_usd": f"{budget.settled_usd:.6f}", "stop_reason": progress.stop_reason or ""})  # fmt: skip
+            mlflow_run.set_tags(
+                {
+                    "dataset": dataset,
+                    "providers": ",".join(sorted(progress.providers)),
+                    "cost_usd": f"{budget.settled_usd:.6f}",
+                    "stop_reason": progress.stop_reason or "",
+                }
+            )
             mlflow_run.log_input(prompts, context="prompts")
             if output.exists():
                 mlflow_run.log_output(output)
-            console.print(f"{dataset}: {done}/{progress.records_total} records done ({progress.records_done} new, "
-                          f"{progress.output_tokens:,} new output tokens, ${budget.settled_usd:.4f} spent this run)")  # fmt: skip
+            console.print(
+                f"{dataset}: {done}/{progress.records_total} records done ({progress.records_done} new, "
+                f"{progress.output_tokens:,} new output tokens, ${budget.settled_usd:.4f} spent this run)"
+            )
             fatal = engine.fatal
             so_far = f"{done} of {progress.records_total} records of {dataset} are done"
             if fatal is not None:
                 if fatal.exit_code == 75:
                     resume = f"rerun `dvc repro` or `quanthunt generate {dataset}`"
-                    raise StopRun(f"stopped: {progress.stop_reason}. {so_far}; top up the key, then {resume} to continue "
-                                  "(finished records are kept and not paid for again)", 75)  # fmt: skip
+                    raise StopRun(
+                        f"stopped: {progress.stop_reason}. {so_far}; top up the key, then {resume} to continue "
+                        "(finished records are kept and not paid for again)",
+                        75,
+                    )
                 raise StopRun(f"stopped: {fatal}", fatal.exit_code)
+            if progress.records_failed:
+                errors = ", ".join(f"{k} ×{n}" for k, n in progress.errors.most_common(3))
+                raise StopRun(
+                    f"{progress.records_failed} records of {dataset} failed this run ({errors}); {so_far}; "
+                    f"rerun `quanthunt generate {dataset}` to retry them",
+                    75,
+                )
             if progress.stop_reason and "cap" in progress.stop_reason:
                 raise StopRun(
                     f"stopped: {progress.stop_reason}. {so_far}; raise generate.max_usd_per_run or rerun to continue", 75

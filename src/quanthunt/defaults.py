@@ -23,3 +23,7 @@ GATEWAY_TIMEOUT = httpx.Timeout(connect=10.0, read=180.0, write=30.0, pool=60.0)
 """Reads wait long: a provider may take minutes for a long completion."""
 GATEWAY_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=50)
 """For the survey and verification; generation uses its own transport for 2,000 in flight."""
+GATEWAY_GET_ATTEMPTS = 4
+"""Idempotent reads (endpoints, generation, key) are retried on transient failures."""
+GATEWAY_GET_BACKOFF_S = 0.5
+"""First retry delay of a read; doubles each time, capped at 10 s (Retry-After wins)."""

@@ -15,6 +15,7 @@ Usage::
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import functools
 import ipaddress
@@ -32,7 +33,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quanthunt import __version__
-from quanthunt.defaults import GATEWAY_LIMITS, GATEWAY_TIMEOUT, SANDBOX_API_KEY
+from quanthunt.defaults import GATEWAY_GET_ATTEMPTS, GATEWAY_GET_BACKOFF_S, GATEWAY_LIMITS, GATEWAY_TIMEOUT, SANDBOX_API_KEY
 from quanthunt.errors import ConfigError, QuanthuntError
 
 API_KEY_ENV = "OPENROUTER_API_KEY"
@@ -93,6 +94,12 @@ def resolve_api_key(base_url: str, env: Mapping[str, str] = os.environ) -> ApiKe
 
 
 # -- errors -----------------------------------------------------------------------------
+
+TRANSIENT = frozenset(
+    {"timeout", "connect", "disconnect", "transport", "http_408", "http_429", "http_500", "http_502", "http_503", "http_504",
+     "http_524", "http_529"}
+)  # fmt: skip
+"""Failure kinds worth retrying for an idempotent request."""
 
 
 class GatewayError(QuanthuntError):
@@ -431,6 +438,31 @@ class Gateway:
         await self._client.aclose()
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request; reads (GET) are retried on transient failures with backoff."""
+        attempts = GATEWAY_GET_ATTEMPTS if method == "GET" else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self._once(method, path, **kwargs)
+            except GatewayError as exc:
+                if attempt == attempts or exc.kind not in TRANSIENT:
+                    raise
+                delay = exc.retry_after_s if exc.retry_after_s is not None else GATEWAY_GET_BACKOFF_S * 2 ** (attempt - 1)
+                await asyncio.sleep(min(delay, 10.0))
+        raise AssertionError("unreachable")
+
+    async def _read_json(self, method: str, path: str, **kwargs: Any) -> Any:
+        """GET a JSON body, retrying a malformed or truncated one like a failed request."""
+        for attempt in range(1, GATEWAY_GET_ATTEMPTS + 1):
+            reply = await self._request(method, path, **kwargs)
+            try:
+                return reply.json()
+            except ValueError:
+                if attempt == GATEWAY_GET_ATTEMPTS:
+                    raise GatewayError(f"{self.host} {method} {path}: reply is not JSON", kind="malformed") from None
+                await asyncio.sleep(GATEWAY_GET_BACKOFF_S * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
+
+    async def _once(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         where = f"{self.host} {method} {path}"
         try:
             reply = await self._client.request(method, path, **kwargs)
@@ -449,10 +481,10 @@ class Gateway:
     async def endpoints(self, model: str) -> list[Endpoint]:
         """Every provider endpoint the gateway lists for ``model`` (``author/slug``)."""
         path = f"/models/{model}/endpoints"
-        reply = await self._request("GET", path)
+        body = await self._read_json("GET", path)
         try:
-            data = reply.json()["data"]
-        except (ValueError, KeyError, TypeError):
+            data = body["data"]
+        except (KeyError, TypeError):
             raise GatewayError(f"{self.host} GET {path}: unexpected reply (no data object)", kind="malformed") from None
         try:
             return _EndpointList.model_validate(data).endpoints
@@ -470,18 +502,17 @@ class Gateway:
         return parse_chat_reply(reply.content, reply.headers.get("x-generation-id"), f"{self.host} POST /chat/completions")
 
     async def generation(self, generation_id: str) -> Generation:
-        reply = await self._request("GET", "/generation", params={"id": generation_id})
+        body = await self._read_json("GET", "/generation", params={"id": generation_id})
         try:
-            data = reply.json()["data"]
-            return Generation.model_validate(data)
-        except (ValueError, KeyError, TypeError, ValidationError):
+            return Generation.model_validate(body["data"])
+        except (KeyError, TypeError, ValidationError):
             raise GatewayError(f"{self.host} GET /generation: unexpected reply", kind="unexpected_reply") from None
 
     async def key(self) -> KeyStatus:
-        reply = await self._request("GET", "/key")
+        body = await self._read_json("GET", "/key")
         try:
-            return KeyStatus.model_validate(reply.json()["data"])
-        except (ValueError, KeyError, TypeError, ValidationError):
+            return KeyStatus.model_validate(body["data"])
+        except (KeyError, TypeError, ValidationError):
             raise GatewayError(f"{self.host} GET /key: unexpected reply", kind="unexpected_reply") from None
 
 

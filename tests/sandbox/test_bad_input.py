@@ -123,7 +123,11 @@ def test_reference_bad_requests(client: TestClient) -> None:
         assert message in reply.json()["error"]["message"]
 
 
-def test_reference_is_not_served_in_latency_mode(client: TestClient) -> None:
-    reply = client.post("/reference/v1/completions", json={"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1})
-    assert reply.status_code == 503
-    assert "latency mode" in reply.json()["error"]["message"]
+def test_latency_mode_serves_a_synthetic_reference(client: TestClient) -> None:
+    reply = client.post(
+        "/reference/v1/completions", json={"prompt": "the model answers", "max_tokens": 0, "echo": True, "logprobs": 1}
+    )
+    assert reply.status_code == 200
+    logprobs = reply.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [" the", " model", " answers"]
+    assert logprobs["token_logprobs"] == [None, -0.5, -0.5]

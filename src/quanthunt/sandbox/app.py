@@ -198,6 +198,22 @@ class Sandbox:
         while len(self.generations) > SANDBOX_GENERATIONS_KEPT:
             self.generations.popitem(last=False)
 
+    def gateway_fault(self) -> Response | None:
+        """A fault of the gateway itself (``roster.gateway_faults``), or None."""
+        faults = self.roster.gateway_faults
+        kind = fault_kinds.draw(faults, self.rng)
+        if kind is None or kind == "finish_error":
+            return None
+        self.stats.faults[f"gateway:{kind}"] += 1
+        if kind in fault_kinds.BEFORE_GENERATION:
+            status = fault_kinds.ERROR_STATUS[kind]
+            headers = {"Retry-After": f"{faults.retry_after_s:g}"} if kind == "rate_limit" else None
+            return error_response(status, fault_kinds.ERROR_MESSAGE[status], headers=headers)
+        if kind == "malformed_json":
+            return Response(b'{"data": [', media_type="application/json")
+        how = {"timeout": "hold", "truncated_body": "truncate", "connection_reset": "drop"}[kind]
+        return MisbehavingResponse(b'{"data": {"id": "gateway"}}', how=how, headers={}, hold_s=faults.timeout_s)  # type: ignore[return-value]
+
     # -- OpenRouter API ----------------------------------------------------------------
 
     def endpoint(self, provider: Provider) -> dict[str, Any]:
@@ -246,6 +262,8 @@ class Sandbox:
         }
 
     async def list_models(self, request: Request) -> Response:
+        if (fault := self.gateway_fault()) is not None:
+            return fault
         model = self.roster.model
         cheapest = min(self.roster.providers, key=lambda p: float(p.pricing.completion))
         author, slug = model.id.split("/", 1)
@@ -277,6 +295,8 @@ class Sandbox:
         return JSONResponse({"data": [entry], "total_count": 1, "links": {"next": None}})
 
     async def list_endpoints(self, request: Request) -> Response:
+        if (fault := self.gateway_fault()) is not None:
+            return fault
         model_id = f"{request.path_params['author']}/{request.path_params['slug']}".lower()
         model = self.roster.model
         if model_id != model.id:
@@ -295,6 +315,8 @@ class Sandbox:
         )
 
     async def key_info(self, request: Request) -> Response:
+        if (fault := self.gateway_fault()) is not None:
+            return fault
         key = self.api_key(request)
         if key is None:
             return error_response(401, "Missing Authentication header")
@@ -325,6 +347,8 @@ class Sandbox:
         )
 
     async def generation(self, request: Request) -> Response:
+        if (fault := self.gateway_fault()) is not None:
+            return fault
         key = self.api_key(request)
         if key is None:
             return error_response(401, "Missing Authentication header")

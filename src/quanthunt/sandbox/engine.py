@@ -123,6 +123,8 @@ _CANNED_WORDS = (
 )
 
 _CANNED_TOKENS = tuple(TokenInfo(i, " " + w, (" " + w).encode()) for i, w in enumerate(_CANNED_WORDS))
+_CANNED_IDS = {w: i for i, w in reversed(list(enumerate(_CANNED_WORDS)))}
+"""Canned word → its first id (some words repeat in the list)."""
 _CANNED_STREAM = [OutToken(info, -0.5) for info in random.Random(0).choices(_CANNED_TOKENS, k=4096)]
 """"Generated" text: windows into one fixed pseudo-random stream of canned words."""
 
@@ -130,9 +132,12 @@ _CANNED_STREAM = [OutToken(info, -0.5) for info in random.Random(0).choices(_CAN
 class LatencyEngine:
     """No model: canned text after the provider's latency, at its throughput.
 
-    Token ids are word indices, counted one per whitespace-separated word; logprobs are
-    synthetic (flagged in the reply). Each request's text is a deterministic function of
-    its prompt and seed.
+    A token is a whitespace-separated word: canned words have their canned id, any other
+    word an id above them (from a hash). Logprobs are synthetic and consistent: every
+    sampled token has logprob -0.5 and the synthetic reference scores every token -0.5, so
+    the whole pipeline (verification included) runs without a model, for fault and load
+    tests; its verdicts measure nothing. Each request's text is a deterministic function
+    of its prompt and seed.
     """
 
     mode = "latency"
@@ -147,13 +152,16 @@ class LatencyEngine:
         return self.encode_text(" ".join(m.get("content", "") for m in messages)) or [0]
 
     def encode_text(self, text: str) -> list[int]:
-        return [zlib.crc32(w.encode()) & 0xFFFF for w in text.split()]
+        return [_CANNED_IDS.get(w, len(_CANNED_TOKENS) + (zlib.crc32(w.encode()) & 0xFFFF)) for w in text.split()]
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self.token_info(i).text for i in ids)
 
     def token_info(self, token_id: int) -> TokenInfo:
-        return _CANNED_TOKENS[token_id % len(_CANNED_TOKENS)]
+        if 0 <= token_id < len(_CANNED_TOKENS):
+            return _CANNED_TOKENS[token_id]
+        text = f" w{token_id}"
+        return TokenInfo(token_id, text, text.encode())
 
     async def complete(self, precision: str, request: SamplingRequest, *, pace: tuple[float, float] | None = None) -> Completion:
         latency_s, tokens_per_s = pace or (0.0, 0.0)
@@ -172,4 +180,9 @@ class LatencyEngine:
         )
 
     async def score(self, ids: Sequence[int], *, top_logprobs: int) -> list[OutToken | None]:
-        raise SandboxError("the reference deployment is not served in latency mode (no model)")
+        """The synthetic reference: every token after the first scores -0.5."""
+        scored: list[OutToken | None] = [None]
+        for token_id in list(ids)[1:]:
+            info = self.token_info(token_id)
+            scored.append(OutToken(info, -0.5, [(info, -0.5)] if top_logprobs else []))
+        return scored

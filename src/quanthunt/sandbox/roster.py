@@ -248,6 +248,9 @@ class Roster(_Strict):
     credits: Credits = Credits()
     seed: int = 0
     """Seeds fault injection and load balancing, so a run's faults repeat."""
+    gateway_faults: Faults = Faults()
+    """Faults of the gateway itself, on every route but chat completions (model and
+    endpoint lists, generation lookups, key status); ``finish_error`` does not apply."""
     generation_lookup_delay_s: float = Field(default=0.0, ge=0)
     """``/generation?id=`` answers 404 for this long after a reply (OpenRouter: ~1 s)."""
 
