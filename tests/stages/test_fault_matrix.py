@@ -1,0 +1,164 @@
+"""The fault matrix: every stage that talks to a gateway (survey, verify, generate) ×
+every fault the roster can inject, against a latency-mode sandbox over loopback. Each
+stage either completes correctly or stops with its documented exit code and a one-line
+message; afterwards outputs, ledger and MLflow agree, and a rerun completes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fixtures.generation import GenerationBed
+from fixtures.project import Project
+from fixtures.sandbox import provider
+
+from quanthunt.sandbox.server import SandboxProcess
+
+KINDS = (
+    "rate_limit",
+    "rate_limit_no_retry_after",
+    "server_error",
+    "bad_gateway",
+    "unavailable",
+    "timeout",
+    "connection_reset",
+    "malformed_json",
+    "truncated_body",
+    "finish_error",
+)
+GATEWAY_KINDS = tuple(k for k in KINDS if k != "finish_error")
+SURVEY_OUTPUTS = ("reports/survey/providers.csv", "reports/survey/budget_plan.json")
+FAULT_TIMING = {"retry_after_s": 0.05, "timeout_s": 4}
+
+
+def roster(**extra: Any) -> dict[str, Any]:
+    faults = extra.pop("faults", {})
+    return {
+        "providers": [
+            provider("alpha", faults={**FAULT_TIMING, **faults}),
+            provider("beta", pricing={"prompt": "0.000002", "completion": "0.000004"}, faults={**FAULT_TIMING, **faults}),
+            provider("nolog", supports_logprobs=False),
+        ],
+        **extra,
+    }
+
+
+def point_at(project: Project, sandbox: SandboxProcess) -> None:
+    project.set_param("api.base_url", sandbox.api_url)
+    project.set_param("reference.base_url", sandbox.reference_url)
+
+
+def last_line(done: Any) -> str:
+    return str(done.stderr.strip().splitlines()[-1]) if done.stderr.strip() else ""
+
+
+@pytest.mark.parametrize("kind", GATEWAY_KINDS)
+def test_survey_retries_a_flaky_gateway(project: Project, latency_sandbox: Callable[..., SandboxProcess], kind: str) -> None:
+    sandbox = latency_sandbox(roster(gateway_faults={kind: 0.3, **FAULT_TIMING}))
+    point_at(project, sandbox)
+    done = project.run("survey", "--params", "params.yaml")
+    assert done.returncode == 0, done.stderr
+    assert all((project.root / p).exists() for p in SURVEY_OUTPUTS)
+
+
+@pytest.mark.parametrize("kind", ["unavailable", "connection_reset", "malformed_json"])
+def test_survey_gives_up_cleanly_on_a_broken_gateway(
+    project: Project, latency_sandbox: Callable[..., SandboxProcess], kind: str
+) -> None:
+    sandbox = latency_sandbox(roster(gateway_faults={kind: 1.0, **FAULT_TIMING}))
+    point_at(project, sandbox)
+    done = project.run("survey", "--params", "params.yaml")
+    assert done.returncode == 2
+    assert last_line(done).startswith("error: ") and "Traceback" not in done.stderr
+    assert not any((project.root / p).exists() for p in SURVEY_OUTPUTS)
+    runs = project.mlflow().search_runs([project.mlflow().get_experiment_by_name("quanthunt").experiment_id])
+    assert [r.info.status for r in runs if r.data.tags.get("quanthunt.stage") == "survey"] == ["FAILED"]
+
+
+def verify_project(project: Project, sandbox: SandboxProcess) -> None:
+    point_at(project, sandbox)
+    for key, value in {
+        "verify.probes.prompts": 8,
+        "verify.probes.sample_mode_completions_per_prompt": 2,
+        "verify.probes.max_tokens": 8,
+    }.items():
+        project.set_param(key, value)
+    assert project.run("survey", "--params", "params.yaml").returncode == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_verify_under_provider_faults(project: Project, latency_sandbox: Callable[..., SandboxProcess], kind: str) -> None:
+    sandbox = latency_sandbox(roster(faults={kind: 0.3}))
+    verify_project(project, sandbox)
+    done = project.run("verify", "--params", "params.yaml")
+    assert done.returncode == 0, done.stderr
+    verdicts = json.loads((project.root / "reports/verify/verdicts.json").read_text())
+    by_name = {p["provider"]: p for p in verdicts["providers"]}
+    for name in ("Alpha", "Beta"):
+        assert by_name[name]["verdict"] in ("equivalent", "inconclusive")  # faults never make a faithful provider "different"
+        assert (
+            by_name[name]["verdict"] == "equivalent" or "failed" in by_name[name]["reason"] or "power" in by_name[name]["reason"]
+        )
+    assert by_name["Nolog"]["mode"] == "sample"
+
+
+def test_verify_with_the_reference_down(project: Project, latency_sandbox: Callable[..., SandboxProcess]) -> None:
+    sandbox = latency_sandbox(roster())
+    verify_project(project, sandbox)
+    project.set_param("reference.base_url", "http://127.0.0.1:9/v1")
+    done = project.run("verify", "--params", "params.yaml")
+    assert done.returncode == 2
+    assert last_line(done) == "error: cannot reach the reference deployment at 127.0.0.1:9"
+    assert not (project.root / "reports/verify/verdicts.json").exists()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generate_under_provider_faults(generation_bed: Callable[..., GenerationBed], kind: str) -> None:
+    bed = generation_bed(faults={kind: 0.3}, records=12, params={"generate.retry.max_attempts": 10})
+    done = bed.generate()
+    assert done.returncode == 0, done.stderr
+    ids = [r["id"] for r in bed.records()]
+    assert len(ids) == len(set(ids)) == 12
+    settled, unknown = bed.ledger_spend()
+    assert settled - 1e-9 <= bed.charged_usd() <= settled + unknown + 1e-9
+    report = json.loads((bed.project.root / "reports/generate/tiny.json").read_text())
+    assert sum(report["errors"].values()) > 0  # the fault did fire
+
+
+def test_generate_when_the_sandbox_dies_and_comes_back(generation_bed: Callable[..., GenerationBed]) -> None:
+    import subprocess
+    import time
+
+    from fixtures.project import BIN
+
+    bed = generation_bed(
+        records=80,
+        latency_ms=400,
+        params={"generate.concurrency": 8, "generate.retry.max_attempts": 3, "generate.retry.max_delay_s": 0.2},
+    )
+    proc = subprocess.Popen(
+        [str(BIN / "quanthunt"), "generate", "tiny", "--params", "params.yaml"],
+        cwd=bed.project.root,
+        env=bed.project.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(8)
+    port = int(bed.sandbox.url.rsplit(":", 1)[1])
+    bed.sandbox.kill()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr
+    assert "failed this run" in stderr.strip().splitlines()[-1] and "rerun" in stderr
+    partial = [r["id"] for r in bed.records()]
+    assert len(partial) == len(set(partial)) < 80
+    back = SandboxProcess(mode="latency", roster=bed.sandbox.roster, port=port).start()
+    try:
+        done = bed.generate()
+        assert done.returncode == 0, done.stderr
+        ids = [r["id"] for r in bed.records()]
+        assert len(ids) == len(set(ids)) == 80
+    finally:
+        back.stop()
