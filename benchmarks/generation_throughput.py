@@ -142,10 +142,11 @@ def main() -> None:
                              "latency_ms": args.latency_ms, "throughput_tps": 1e9}],
               "credits": {"default_usd": 1e6}}  # fmt: skip
     bound = args.in_flight / (args.latency_ms / 1000)
-    print(
-        f"latency-mode sandbox, {args.latency_ms:.0f} ms per request, {args.in_flight} in flight: Little's-law bound {bound:.0f} req/s"
-    )
-    header = f"{'client':<13}{'requests':>9}{'req/s':>8}{'of bound':>9}{'client CPU ms/req':>19}{'peak RSS MB':>12}{'p50 ms':>8}{'p99 ms':>8}{'sandbox CPU ms/req':>20}"
+    print(f"latency-mode sandbox, {args.latency_ms:.0f} ms per request, {args.in_flight} in flight: "
+          f"Little's-law bound {bound:.0f} req/s")  # fmt: skip
+    columns = [("client", 13), ("requests", 9), ("req/s", 8), ("of bound", 9), ("client CPU ms/req", 19), ("peak RSS MB", 12),
+               ("p50 ms", 8), ("p99 ms", 8), ("sandbox CPU ms/req", 20)]  # fmt: skip
+    header = "".join(f"{name:<{width}}" if i == 0 else f"{name:>{width}}" for i, (name, width) in enumerate(columns))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "roster.yaml"
@@ -155,14 +156,16 @@ def main() -> None:
             with SandboxProcess(mode="latency", roster=path) as sandbox:
                 assert sandbox.pid is not None
                 server0 = cpu_seconds(sandbox.pid)
-                done = subprocess.run([sys.executable, __file__, "--client", name, "--url", sandbox.api_url, "--requests", str(total),
-                                       "--in-flight", str(args.in_flight)], capture_output=True, text=True, check=True)  # fmt: skip
+                command = [sys.executable, __file__, "--client", name, "--url", sandbox.api_url, "--requests", str(total),
+                           "--in-flight", str(args.in_flight)]  # fmt: skip
+                done = subprocess.run(command, capture_output=True, text=True, check=True)
                 server = cpu_seconds(sandbox.pid) - server0
             result = json.loads(done.stdout.strip().splitlines()[-1])
             p50, p99 = quantiles(result["latencies"])
             rate = total / result["wall"]
-            rows.append(f"{name:<13}{total:>9}{rate:>8.0f}{rate / bound:>9.0%}{result['cpu'] * 1000 / total:>19.3f}"
-                        f"{result['rss_mb']:>12.0f}{p50 * 1000:>8.0f}{p99 * 1000:>8.0f}{server * 1000 / total:>20.3f}")  # fmt: skip
+            cpu_ms, server_ms = result["cpu"] * 1000 / total, server * 1000 / total
+            rows.append(f"{name:<13}{total:>9}{rate:>8.0f}{rate / bound:>9.0%}{cpu_ms:>19.3f}"
+                        f"{result['rss_mb']:>12.0f}{p50 * 1000:>8.0f}{p99 * 1000:>8.0f}{server_ms:>20.3f}")  # fmt: skip
             print(rows[-1] if len(rows) > 1 else header + "\n" + rows[-1], flush=True)
 
 

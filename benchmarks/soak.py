@@ -95,17 +95,16 @@ def main() -> None:
     ids = bed.records("soak")
     stats = bed.sandbox_stats()
     charged = float(stats["key"]["usage"])
-    print(
-        f"\n{(time.perf_counter() - started) / 60:.1f} minutes at {args.in_flight} in flight, every fault at {args.fault_rate:.0%}"
-    )
+    minutes = (time.perf_counter() - started) / 60
+    print(f"\n{minutes:.1f} minutes at {args.in_flight} in flight, every fault at {args.fault_rate:.0%}")
     print(f"sandbox requests {stats['requests']}; attempts by outcome {attempts}")
     print(f"failed attempts by kind {kinds}")
     print(f"records written {len(ids)} ({len(ids) - len(set(ids))} duplicated)")
     if samples:
         first, last = samples[0], samples[-1]
+        peak_rss, peak_fds = max(s[2] for s in samples), max(s[3] for s in samples)
         print(
-            f"RSS {first[2]:.0f} MB -> {last[2]:.0f} MB (peak {max(s[2] for s in samples):.0f}); open fds {first[3]} -> {last[3]} "
-            f"(peak {max(s[3] for s in samples)})"
+            f"RSS {first[2]:.0f} MB -> {last[2]:.0f} MB (peak {peak_rss:.0f}); open fds {first[3]} -> {last[3]} (peak {peak_fds})"
         )
     print(
         f"ledger settled ${settled:.6f} + possibly billed ${unknown:.6f}; sandbox charged ${charged:.6f} "
