@@ -15,18 +15,7 @@ from pathlib import Path
 
 from pipeline_bed import make_bed
 
-KINDS = (
-    "rate_limit",
-    "rate_limit_no_retry_after",
-    "server_error",
-    "bad_gateway",
-    "unavailable",
-    "timeout",
-    "connection_reset",
-    "malformed_json",
-    "truncated_body",
-    "finish_error",
-)
+from quanthunt.sandbox.roster import FAULT_KINDS
 
 
 def rss_mb(pid: int) -> float:
@@ -44,7 +33,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=400_000)
     parser.add_argument("--sample-s", type=float, default=15)
     args = parser.parse_args()
-    faults = {kind: args.fault_rate for kind in KINDS} | {"retry_after_s": 0.5, "timeout_s": 3}
+    faults = {kind: args.fault_rate for kind in FAULT_KINDS} | {"retry_after_s": 0.5, "timeout_s": 3}
     providers = [
         {
             "name": "Alpha",

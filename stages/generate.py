@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -40,6 +39,7 @@ from quanthunt.outputs import write_atomic
 from quanthunt.params import Params, load_params
 from quanthunt.prompts import iter_prompts
 from quanthunt.survey import read_providers
+from quanthunt.terminal import stage_console
 from quanthunt.tracking import repo_root, stage_run
 from quanthunt.verdicts import load_verdicts
 
@@ -219,10 +219,9 @@ async def show_progress(engine: Engine, job: Job, console: Console, interval_s: 
 
 def main(dataset: str, params_path: Path, *, console: Console | None = None) -> None:
     """Run the generate stage for ``dataset`` with the params file at ``params_path``."""
-    console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+    console = console or stage_console()
     params = load_params(params_path)
-    if dataset not in params.datasets:
-        raise ConfigError(f"{params_path}: datasets has no {dataset!r} (it lists {', '.join(params.datasets)})")
+    params.check_dataset(dataset, source=params_path)
     root = repo_root(params_path)
     paths = params.paths
     prompts = paths.prompt_file(root, dataset)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -14,6 +13,7 @@ from quanthunt.outputs import Outputs
 from quanthunt.params import load_params
 from quanthunt.report import DatasetView, cost_rows, csv_text, json_lines, render, verification_rows
 from quanthunt.survey import read_providers
+from quanthunt.terminal import stage_console
 from quanthunt.tracking import repo_root, stage_run
 from quanthunt.verdicts import load_verdicts
 
@@ -24,7 +24,7 @@ def _json(path: Path) -> dict[str, object] | None:
 
 def main(params_path: Path, *, console: Console | None = None) -> None:
     """Build the report from whatever the pipeline has produced."""
-    console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+    console = console or stage_console()
     params = load_params(params_path)
     root = repo_root(params_path)
     paths = params.paths

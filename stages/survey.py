@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
-import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -21,6 +20,7 @@ from quanthunt.outputs import Outputs
 from quanthunt.params import load_params
 from quanthunt.sandbox.roster import default_roster_path
 from quanthunt.survey import PROVIDER_COLUMNS, ProviderRow, apply_policy, plan_budget
+from quanthunt.terminal import stage_console
 from quanthunt.tracking import repo_root, stage_run
 
 
@@ -70,7 +70,7 @@ def show(rows: list[ProviderRow], plan: dict[str, object], console: Console) -> 
 
 def main(params_path: Path, *, console: Console | None = None) -> None:
     """Run the survey stage with the params file at ``params_path``."""
-    console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+    console = console or stage_console()
     params = load_params(params_path)
     root = repo_root(params_path)
     paths = params.paths

@@ -6,7 +6,6 @@ check) and leaves the previous final file untouched.
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from quanthunt.generation import params_hash
 from quanthunt.ledger import Ledger
 from quanthunt.outputs import Outputs, write_atomic
 from quanthunt.params import load_params, section_digest
+from quanthunt.terminal import stage_console
 from quanthunt.tracking import git_state, repo_root, search_stage_runs, stage_run
 from quanthunt.validation import check, final_record
 from quanthunt.verdicts import load_verdicts
@@ -43,10 +43,9 @@ def dumps(data: Any) -> str:
 
 def main(dataset: str, params_path: Path, *, console: Console | None = None) -> None:
     """Run the validate stage for ``dataset`` with the params file at ``params_path``."""
-    console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+    console = console or stage_console()
     params = load_params(params_path)
-    if dataset not in params.datasets:
-        raise ConfigError(f"{params_path}: datasets has no {dataset!r} (it lists {', '.join(params.datasets)})")
+    params.check_dataset(dataset, source=params_path)
     root = repo_root(params_path)
     paths = params.paths
     generated = root / paths.generated / f"{dataset}.jsonl"

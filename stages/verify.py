@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import html
 import re
-import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,6 +26,7 @@ from quanthunt.params import Params, load_params, section_digest
 from quanthunt.prompts import load_prompts
 from quanthunt.reference import Reference
 from quanthunt.survey import CANDIDATE, read_providers
+from quanthunt.terminal import stage_console
 from quanthunt.tracking import StageRun, repo_root, stage_run
 from quanthunt.verdicts import ProviderVerdict, Verdicts
 from quanthunt.verification import Audit, Auditor, Design, Margins, Policy, Probe, Subject, decide, select_probes, summary_values
@@ -161,7 +161,7 @@ def _measured(v: ProviderVerdict) -> str:
 
 def main(params_path: Path, *, console: Console | None = None) -> None:
     """Run the verify stage with the params file at ``params_path``."""
-    console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+    console = console or stage_console()
     params = load_params(params_path)
     root = repo_root(params_path)
     paths = params.paths

@@ -41,16 +41,13 @@ import orjson
 
 from quanthunt import __version__
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
-from quanthunt.gateway import ChatReply, GatewayError, Routing, chat_body
+from quanthunt.gateway import TRANSIENT, ChatReply, GatewayError, Routing, chat_body
 from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
 from quanthunt.prompts import PromptRecord, next_request, skeleton
 
 BILLED_UNKNOWN = frozenset({"timeout", "disconnect", "malformed", "unexpected_reply", "transport"})
 """Failures after the request left: the gateway may have generated (and billed) it."""
-RETRYABLE = BILLED_UNKNOWN | {
-    "connect", "finish_error", "openrouter_in_flight_budget",
-    "http_408", "http_409", "http_425", "http_429", "http_500", "http_502", "http_503", "http_504", "http_524", "http_529",
-}  # fmt: skip
+RETRYABLE = BILLED_UNKNOWN | TRANSIENT | {"finish_error", "openrouter_in_flight_budget", "http_409", "http_425"}
 STOPPING = {"http_401": "the API key was refused", "http_403": "the API key may not use this model", "constraint_filtered": ""}
 OUT_OF_MONEY = {"openrouter_credits", "openrouter_key_limit"}
 

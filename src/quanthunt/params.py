@@ -11,7 +11,9 @@ import json
 import math
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
+import httpx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -22,14 +24,43 @@ from quanthunt.spec import QUANTIZATIONS
 SANDBOX = "sandbox"
 """A base URL of ``sandbox`` starts the built-in sandbox for the stage's duration."""
 
+MAX_INT = 2**63 - 1
+"""Integers must fit in 64 bits (what JSON APIs, SQLite and the sandbox accept)."""
+MAX_FLOAT = 1e15
+"""Larger magnitudes are no real budget, price, ratio or duration (and overflow the survey's arithmetic)."""
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True)
 
+    @field_validator("*")
+    @classmethod
+    def _in_range(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise ValueError("must fit in a 64-bit integer")
+        if isinstance(value, float) and abs(value) > MAX_FLOAT:
+            raise ValueError(f"must be at most {MAX_FLOAT:g} in magnitude")
+        return value
+
 
 def check_base_url(value: str) -> str:
-    """``sandbox``, an https URL, or http on a loopback host (a local sandbox or server)."""
-    return value if value == SANDBOX else gateway.check_base_url(value)
+    """``sandbox``, an https URL, or http on a loopback host (a local sandbox or server);
+    the URL must also be one the HTTP client can use (a numeric port in range, no NUL)."""
+    if value == SANDBOX:
+        return value
+    url = gateway.check_base_url(value)
+    try:
+        _ = urlsplit(url).port  # raises ValueError for a port that is not a number in 0-65535
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL) as exc:
+        raise ValueError(f"is not a usable URL ({_one_line(str(exc), 120)})") from None
+    return url
+
+
+def _check_file_name(value: str) -> str:
+    if not value or "\x00" in value:
+        raise ValueError("must be a non-empty path without NUL characters")
+    return value
 
 
 class Paths(_Section):
@@ -57,6 +88,8 @@ class Paths(_Section):
     locks: str = "state/locks"
     logs: str = "logs"
 
+    _check = field_validator("*")(_check_file_name)
+
     def prompt_file(self, root: Path, dataset: str) -> Path:
         """``<prompts>/<dataset>.jsonl``, or ``.parquet`` when only that exists."""
         folder = root / self.prompts
@@ -82,6 +115,8 @@ class Reference(_Section):
 class Sandbox(_Section):
     roster: str | None = None
     """A roster YAML path; ``null`` is the roster shipped with quanthunt."""
+
+    _check = field_validator("roster")(lambda v: None if v is None else _check_file_name(v))
 
 
 class Tracking(_Section):
@@ -249,11 +284,16 @@ class Params(_Section):
     @classmethod
     def _dataset_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for name in value:
-            if not name or "/" in name or name.startswith("."):
-                raise ValueError(f"dataset names are file stems, got {name!r}")
+            if not name or "/" in name or "\x00" in name or name.startswith("."):
+                raise ValueError(f"dataset names are file stems, got {_one_line(repr(name), 80)}")
         if len(set(value)) != len(value):
             raise ValueError("dataset names must be unique")
         return value
+
+    def check_dataset(self, dataset: str, *, source: Path) -> None:
+        """``ConfigError`` unless ``dataset`` is one of ``datasets``."""
+        if dataset not in self.datasets:
+            raise ConfigError(f"{source}: datasets has no {dataset!r} (it lists {', '.join(self.datasets)})")
 
     @property
     def uses_sandbox(self) -> bool:
@@ -265,8 +305,23 @@ def section_digest(section: BaseModel) -> str:
     return hashlib.sha256(json.dumps(section.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
 
+def _one_line(text: str, limit: int) -> str:
+    """``text`` with line breaks and other unprintable characters escaped, cut to ``limit`` characters."""
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _part(part: int | str) -> str:
+    """One step of a field path: a plain key as it is; an empty, padded, dotted or unprintable one quoted."""
+    text = str(part)
+    if isinstance(part, str) and (not text.isprintable() or "." in text or text != text.strip() or not text):
+        text = repr(part)
+    return _one_line(text, 60)
+
+
 def _where(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(part) for part in loc) or "(top level)"
+    return ".".join(_part(part) for part in loc) or "(top level)"
 
 
 def parse_params(data: Any, *, source: str) -> Params:
@@ -276,11 +331,11 @@ def parse_params(data: Any, *, source: str) -> Params:
         return Params.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        message = first["msg"]
+        message = _one_line(first["msg"], 300)
         if first["type"] == "extra_forbidden":
             message = "unknown key"
         value = first.get("input")
-        shown = "" if isinstance(value, dict | list) or first["type"] == "missing" else f" (got {value!r})"
+        shown = "" if isinstance(value, dict | list) or first["type"] == "missing" else f" (got {_one_line(repr(value), 80)})"
         if isinstance(value, float) and math.isnan(value):
             shown = " (got NaN)"
         raise ConfigError(f"{source}: {_where(first['loc'])}: {message}{shown}") from None
@@ -300,4 +355,6 @@ def load_params(path: Path) -> Params:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}:{where} is not valid YAML") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: is not valid params (nested too deeply)") from None
     return parse_params(data, source=str(path))

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -273,10 +274,11 @@ def iter_jsonl(path: Path) -> Iterator[PromptRecord]:
     seen: dict[str, int] = {}
     with _open(path) as stream:
         lineno = 0
-        while raw := stream.readline(MAX_LINE_BYTES + 1):
+        while raw := stream.readline(MAX_LINE_BYTES + 2):  # room for the line and its "\r\n"
             lineno += 1
             where = f"{path}:{lineno}"
-            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            newline = 2 if raw.endswith(b"\r\n") else 1 if raw.endswith(b"\n") else 0
+            if len(raw) - newline > MAX_LINE_BYTES:
                 raise ConfigError(f"{where}: line too long (over {MAX_LINE_BYTES} bytes); not parsed")
             if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8) :]
@@ -297,6 +299,8 @@ def iter_jsonl(path: Path) -> Iterator[PromptRecord]:
                 ) from None
             except RecursionError:
                 raise ConfigError(f"{where}: not valid JSON (nested too deeply)") from None
+            except ValueError:  # Python refuses integers of more than sys.get_int_max_str_digits() digits
+                raise ConfigError(f"{where}: not valid JSON (an integer with too many digits)") from None
             try:
                 record = parse_record(obj)
             except RecordError as exc:
@@ -327,7 +331,7 @@ def iter_parquet(path: Path) -> Iterator[PromptRecord]:
         raise ConfigError(f"{path}: not a readable Parquet file ({_first_line(exc)})") from None
     if not any(key in names for key in CONVERSATION_KEYS):
         raise ConfigError(
-            f"{path}: no {', '.join(repr(k) for k in CONVERSATION_KEYS)} column (columns: {', '.join(names) or 'none'})"
+            f"{path}: no {', '.join(repr(k) for k in CONVERSATION_KEYS)} column (columns: {_keys(dict.fromkeys(names))})"
         )
     columns = [name for name in ("id", *CONVERSATION_KEYS) if name in names]
     seen: dict[str, int] = {}
@@ -403,7 +407,7 @@ def _parse_conversation(obj: Mapping[str, Any]) -> tuple[str, list[Turn]]:
     present = [key for key in CONVERSATION_KEYS if obj.get(key) is not None]
     if not present:
         keys = ", ".join(repr(k) for k in CONVERSATION_KEYS)
-        raise RecordError(f"no conversation: expected one of {keys} (keys: {', '.join(map(str, obj)) or 'none'})")
+        raise RecordError(f"no conversation: expected one of {keys} (keys: {_keys(obj)})")
     if len(present) > 1:
         raise RecordError(f"both {present[0]!r} and {present[1]!r}: give exactly one conversation per record")
     key = present[0]
@@ -455,7 +459,7 @@ def _parse_turn(entry: object, where: str, *, sharegpt: bool, key: str) -> Turn:
 
 def _parse_content(value: object, where: str) -> str:
     if isinstance(value, str):
-        return value
+        return _unicode(value, where)
     if value is None:
         raise RecordError(f"{where}: missing")
     if isinstance(value, list):
@@ -464,9 +468,27 @@ def _parse_content(value: object, where: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = _show(part.get("type")) if isinstance(part, dict) else _kind(part)
                 raise RecordError(f"{where}[{j}]: only text parts are supported ({{'type': 'text', 'text': ...}}), got {kind}")
-            texts.append(part["text"])
+            texts.append(_unicode(part["text"], f"{where}[{j}].text"))
         return "\n".join(texts)
     raise RecordError(f"{where}: expected a string, got {_kind(value)}")
+
+
+def _unicode(text: str, where: str) -> str:
+    """``text``, unless it holds a lone surrogate (JSON's ``"\\ud800"``): such text cannot be written as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        surrogate = text[exc.start]
+        raise RecordError(f"{where}: not valid Unicode (lone surrogate {surrogate!r} at character {exc.start + 1})") from None
+    return text
+
+
+def _keys(obj: Mapping[Any, Any], limit: int = 10) -> str:
+    """A record's keys for a message: plain keys as they are, others as short reprs, at most ``limit``."""
+    first = itertools.islice(obj, limit)
+    shown = [str(k) if isinstance(k, str) and k.isprintable() and len(k) <= 40 else _show(k, 40) for k in first]
+    more = f", ... ({len(obj)} keys)" if len(obj) > limit else ""
+    return (", ".join(shown) + more) or "none"
 
 
 def _kind(value: object) -> str:

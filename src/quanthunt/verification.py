@@ -30,18 +30,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from quanthunt import stats
-from quanthunt.gateway import ChatReply, Gateway, GatewayError, Routing, TokenLogprob, chat_body
+from quanthunt.gateway import TRANSIENT, ChatReply, Gateway, GatewayError, Routing, TokenLogprob, chat_body
 from quanthunt.prompts import PromptRecord, skeleton
 from quanthunt.reference import Reference, Scored
 from quanthunt.verdicts import Estimate, ProviderVerdict, TestResult, Verdict
 
 T = TypeVar("T")
-RETRYABLE = frozenset(
-    {
-        "timeout", "connect", "disconnect", "malformed", "unexpected_reply", "finish_error", "transport",
-        "openrouter_in_flight_budget", "http_408", "http_429", "http_500", "http_502", "http_503", "http_524", "http_529",
-    }
-)  # fmt: skip
+RETRYABLE = TRANSIENT | {"malformed", "unexpected_reply", "finish_error", "openrouter_in_flight_budget"}
 """Gateway failure kinds worth another attempt."""
 
 

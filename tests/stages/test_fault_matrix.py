@@ -14,21 +14,10 @@ from fixtures.generation import GenerationBed
 from fixtures.project import Project
 from fixtures.sandbox import provider
 
+from quanthunt.sandbox.roster import FAULT_KINDS
 from quanthunt.sandbox.server import SandboxProcess
 
-KINDS = (
-    "rate_limit",
-    "rate_limit_no_retry_after",
-    "server_error",
-    "bad_gateway",
-    "unavailable",
-    "timeout",
-    "connection_reset",
-    "malformed_json",
-    "truncated_body",
-    "finish_error",
-)
-GATEWAY_KINDS = tuple(k for k in KINDS if k != "finish_error")
+GATEWAY_KINDS = tuple(k for k in FAULT_KINDS if k != "finish_error")
 SURVEY_OUTPUTS = ("reports/survey/providers.csv", "reports/survey/budget_plan.json")
 FAULT_TIMING = {"retry_after_s": 0.05, "timeout_s": 4}
 
@@ -88,7 +77,7 @@ def verify_project(project: Project, sandbox: SandboxProcess) -> None:
     assert project.run("survey", "--params", "params.yaml").returncode == 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", FAULT_KINDS)
 def test_verify_under_provider_faults(project: Project, latency_sandbox: Callable[..., SandboxProcess], kind: str) -> None:
     sandbox = latency_sandbox(roster(faults={kind: 0.3}))
     verify_project(project, sandbox)
@@ -114,7 +103,7 @@ def test_verify_with_the_reference_down(project: Project, latency_sandbox: Calla
     assert not (project.root / "reports/verify/verdicts.json").exists()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", FAULT_KINDS)
 def test_generate_under_provider_faults(generation_bed: Callable[..., GenerationBed], kind: str) -> None:
     bed = generation_bed(faults={kind: 0.3}, records=12, params={"generate.retry.max_attempts": 10})
     done = bed.generate()

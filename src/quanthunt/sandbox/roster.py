@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from quanthunt.errors import ConfigError
 from quanthunt.spec import ENDPOINT_STATUSES, QUANTIZATIONS
@@ -33,7 +33,9 @@ reference itself."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    """NaN and infinity are refused everywhere: an infinite latency or timeout would hang the sandbox, a NaN
+    temperature offset would poison sampling."""
 
 
 def _usd_string(value: str) -> str:
@@ -172,6 +174,13 @@ class Provider(_Strict):
     rate_limit: RateLimit | None = None
     faults: Faults = Faults()
 
+    @field_validator("name", "tag")
+    @classmethod
+    def _no_padding(cls, value: str) -> str:
+        if value != value.strip():
+            raise ValueError(f"must not start or end with whitespace (routing strips it), got {value!r}")
+        return value
+
     @field_validator("precision")
     @classmethod
     def _known_precision(cls, value: str) -> str:
@@ -254,14 +263,21 @@ class Roster(_Strict):
     generation_lookup_delay_s: float = Field(default=0.0, ge=0)
     """``/generation?id=`` answers 404 for this long after a reply (OpenRouter: ~1 s)."""
 
-    @model_validator(mode="after")
-    def _unique(self) -> Roster:
+    @field_validator("providers")
+    @classmethod
+    def _unique(cls, providers: tuple[Provider, ...]) -> tuple[Provider, ...]:
         for attr in ("name", "slug", "tag"):
-            values = [getattr(p, attr) for p in self.providers]
+            values = [getattr(p, attr) for p in providers]
             dupes = sorted({v for v in values if values.count(v) > 1})
             if dupes:
                 raise ValueError(f"provider {attr}s must be unique; repeated: {', '.join(dupes)}")
-        return self
+        owners: dict[str, str] = {}  # routing reference (as ``find`` compares it) -> the slug of the provider it names
+        for p in providers:
+            for ref in {p.name.lower(), p.slug, p.tag.lower()}:
+                other = owners.setdefault(ref, p.slug)
+                if other != p.slug:
+                    raise ValueError(f"routing reference {ref!r} (name, slug or tag, any case) names both {other} and {p.slug}")
+        return providers
 
     def find(self, ref: str) -> Provider | None:
         """The provider a routing reference (name, slug or tag, any case) names."""
@@ -275,8 +291,23 @@ class Roster(_Strict):
 DEFAULT_ROSTER = "roster.yaml"
 
 
+def _one_line(text: str, limit: int) -> str:
+    """``text`` with line breaks and other unprintable characters escaped, cut to ``limit`` characters."""
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _part(part: int | str) -> str:
+    """One step of a field path: a plain key as it is; an empty, padded, dotted or unprintable one quoted."""
+    text = str(part)
+    if isinstance(part, str) and (not text.isprintable() or "." in text or text != text.strip() or not text):
+        text = repr(part)
+    return _one_line(text, 60)
+
+
 def _location(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(part) for part in loc)
+    return ".".join(_part(part) for part in loc)
 
 
 def parse_roster(text: str, *, source: str) -> Roster:
@@ -287,6 +318,8 @@ def parse_roster(text: str, *, source: str) -> Roster:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{source}:{where} is not valid YAML") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: is not a valid roster (nested too deeply)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a roster is a mapping with a 'providers' list")
     try:
@@ -294,7 +327,7 @@ def parse_roster(text: str, *, source: str) -> Roster:
     except ValidationError as exc:
         first = exc.errors()[0]
         field = _location(first["loc"]) or "(top level)"
-        raise ConfigError(f"{source}: {field}: {first['msg']}") from None
+        raise ConfigError(f"{source}: {field}: {_one_line(first['msg'], 300)}") from None
 
 
 def default_roster_path() -> Path:
@@ -311,6 +344,6 @@ def load_roster(path: Path | None = None) -> Roster:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: roster file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, or a NUL in the path
         raise ConfigError(f"{path}: cannot read roster ({exc.__class__.__name__})") from None
     return parse_roster(text, source=str(path))
