@@ -26,17 +26,24 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from quanthunt import __version__
+from quanthunt.config_files import one_line
 from quanthunt.defaults import GATEWAY_GET_ATTEMPTS, GATEWAY_GET_BACKOFF_S, GATEWAY_LIMITS, GATEWAY_TIMEOUT, SANDBOX_API_KEY
 from quanthunt.errors import ConfigError, QuanthuntError
+from quanthunt.redaction import redact
+from quanthunt.spec import LIMIT_SOURCES
 
 API_KEY_ENV = "OPENROUTER_API_KEY"
+MAX_ERROR_CHARS = 600
+"""Longest error message a ``GatewayError`` carries (server text is cut)."""
+MAX_RETRY_AFTER_S = 300.0
+"""Longest pause a ``Retry-After`` can ask for."""
 
 
 # -- base URLs and keys ---------------------------------------------------------------
@@ -58,7 +65,12 @@ def check_base_url(url: str) -> str:
     """
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http(s) URL, got {url!r}")
+        raise ValueError(f"must be an http(s) URL, got {one_line(url, 80)!r}")
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not a number in range
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL):
+        raise ValueError(f"is not a usable URL: {one_line(url, 80)!r}") from None
     if parts.scheme == "http" and not is_loopback(parts.hostname):
         raise ValueError(f"plain http is only allowed to a loopback host; use https for {parts.hostname}")
     if parts.username or parts.password:
@@ -120,7 +132,7 @@ class GatewayError(QuanthuntError):
         retry_after_s: float | None = None,
         generation_id: str | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(one_line(redact(message), MAX_ERROR_CHARS))
         self.status = status
         self.kind = kind or f"http_{status}"
         self.retry_after_s = retry_after_s
@@ -128,7 +140,9 @@ class GatewayError(QuanthuntError):
 
 
 def retry_after_seconds(value: str | None, *, now: float | None = None) -> float | None:
-    """Parse ``Retry-After``: delta-seconds or an HTTP date. None when absent or invalid."""
+    """Parse ``Retry-After``: delta-seconds or an HTTP date, capped at
+    ``MAX_RETRY_AFTER_S`` (one reply must not pause a run for days). None when absent or
+    invalid."""
     if not value:
         return None
     try:
@@ -136,10 +150,12 @@ def retry_after_seconds(value: str | None, *, now: float | None = None) -> float
     except ValueError:
         try:
             moment = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
+            seconds = moment.timestamp() - (now if now is not None else time.time())
+        except (TypeError, ValueError, OverflowError, IndexError):
             return None
-        seconds = moment.timestamp() - (now if now is not None else time.time())
-    return max(seconds, 0.0) if math.isfinite(seconds) else None
+    if not math.isfinite(seconds):
+        return None
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
 def error_from(status: int, reason: str, body: bytes, headers: Mapping[str, str], where: str) -> GatewayError:
@@ -148,14 +164,14 @@ def error_from(status: int, reason: str, body: bytes, headers: Mapping[str, str]
     message, kind = reason or "error", f"http_{status}"
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         data = None
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         error = data["error"]
         message = str(error.get("message") or message)[:500]
         metadata = error.get("metadata") if isinstance(error.get("metadata"), dict) else {}
         availability = error.get("availability") if isinstance(error.get("availability"), dict) else {}
-        if isinstance(metadata.get("limit_source"), str):
+        if metadata.get("limit_source") in LIMIT_SOURCES:  # a known value only: kinds drive retries and metric names
             kind = metadata["limit_source"]
         if availability.get("code") == "constraint_filtered":
             kind = "constraint_filtered"
@@ -180,18 +196,39 @@ class _Reply(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+def _price(value: str | None) -> str | None:
+    """A price as OpenRouter publishes it: a decimal string of USD per token, finite, >= 0."""
+    if value is None:
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"not a decimal price: {one_line(value, 40)!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"not a finite non-negative price: {one_line(value, 40)!r}")
+    return value
+
+
+Count = Annotated[int, Field(ge=0, lt=2**63)]
+Money = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
 class PricingOverride(_Reply):
-    min_prompt_tokens: int | None = None
+    min_prompt_tokens: Count | None = None
     prompt: str | None = None
     completion: str | None = None
+
+    _check = field_validator("prompt", "completion")(_price)
 
 
 class Pricing(_Reply):
     prompt: str
     completion: str
     request: str | None = None
-    discount: float = 0.0
+    discount: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
     overrides: list[PricingOverride] = Field(default_factory=list)
+
+    _check = field_validator("prompt", "completion", "request")(_price)
 
 
 class Percentiles(_Reply):
@@ -235,13 +272,14 @@ class _EndpointList(_Reply):
 
 class TopLogprob(_Reply):
     token: str
-    logprob: float
+    logprob: float = Field(allow_inf_nan=False, le=1e-3)
+    """At most 0 up to rounding."""
     bytes: list[int] | None = None
 
 
 class TokenLogprob(_Reply):
     token: str
-    logprob: float
+    logprob: float = Field(allow_inf_nan=False, le=1e-3)
     bytes: list[int] | None = None
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
@@ -264,9 +302,9 @@ class _Choice(_Reply):
 
 
 class Usage(_Reply):
-    prompt_tokens: int
-    completion_tokens: int
-    cost: float | None = None
+    prompt_tokens: Count
+    completion_tokens: Count
+    cost: Money | None = None
 
 
 class _ChatResult(_Reply):
@@ -304,9 +342,9 @@ class Generation(_Reply):
 
     id: str
     provider_name: str | None = None
-    total_cost: float = 0.0
-    tokens_prompt: int | None = None
-    tokens_completion: int | None = None
+    total_cost: Money = 0.0
+    tokens_prompt: Count | None = None
+    tokens_completion: Count | None = None
     finish_reason: str | None = None
     provider_responses: list[dict[str, Any]] | None = None
 
@@ -456,7 +494,7 @@ class Gateway:
             reply = await self._request(method, path, **kwargs)
             try:
                 return reply.json()
-            except ValueError:
+            except (ValueError, RecursionError):
                 if attempt == GATEWAY_GET_ATTEMPTS:
                     raise GatewayError(f"{self.host} {method} {path}: reply is not JSON", kind="malformed") from None
                 await asyncio.sleep(GATEWAY_GET_BACKOFF_S * 2 ** (attempt - 1))

@@ -9,15 +9,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from quanthunt import gateway
+from quanthunt.config_files import field_path, one_line, parse_yaml, read_text
 from quanthunt.errors import ConfigError
 from quanthunt.spec import QUANTIZATIONS
 
@@ -53,7 +54,7 @@ def check_base_url(value: str) -> str:
         _ = urlsplit(url).port  # raises ValueError for a port that is not a number in 0-65535
         httpx.URL(url)
     except (ValueError, httpx.InvalidURL) as exc:
-        raise ValueError(f"is not a usable URL ({_one_line(str(exc), 120)})") from None
+        raise ValueError(f"is not a usable URL ({one_line(str(exc), 120)})") from None
     return url
 
 
@@ -285,7 +286,7 @@ class Params(_Section):
     def _dataset_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for name in value:
             if not name or "/" in name or "\x00" in name or name.startswith("."):
-                raise ValueError(f"dataset names are file stems, got {_one_line(repr(name), 80)}")
+                raise ValueError(f"dataset names are file stems, got {one_line(repr(name), 80)}")
         if len(set(value)) != len(value):
             raise ValueError("dataset names must be unique")
         return value
@@ -305,23 +306,7 @@ def section_digest(section: BaseModel) -> str:
     return hashlib.sha256(json.dumps(section.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
 
-def _one_line(text: str, limit: int) -> str:
-    """``text`` with line breaks and other unprintable characters escaped, cut to ``limit`` characters."""
-    if not text.isprintable():
-        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _part(part: int | str) -> str:
-    """One step of a field path: a plain key as it is; an empty, padded, dotted or unprintable one quoted."""
-    text = str(part)
-    if isinstance(part, str) and (not text.isprintable() or "." in text or text != text.strip() or not text):
-        text = repr(part)
-    return _one_line(text, 60)
-
-
-def _where(loc: tuple[int | str, ...]) -> str:
-    return ".".join(_part(part) for part in loc) or "(top level)"
+_USERINFO = re.compile(r"//[^/?#@]*@")
 
 
 def parse_params(data: Any, *, source: str) -> Params:
@@ -331,30 +316,19 @@ def parse_params(data: Any, *, source: str) -> Params:
         return Params.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        message = _one_line(first["msg"], 300)
+        message = one_line(_USERINFO.sub("//***@", first["msg"]), 300)
         if first["type"] == "extra_forbidden":
             message = "unknown key"
         value = first.get("input")
-        shown = "" if isinstance(value, dict | list) or first["type"] == "missing" else f" (got {_one_line(repr(value), 80)})"
+        if isinstance(value, str):
+            value = _USERINFO.sub("//***@", value)  # a URL's user and password stay out of the message
+        shown = "" if isinstance(value, dict | list) or first["type"] == "missing" else f" (got {one_line(repr(value), 80)})"
         if isinstance(value, float) and math.isnan(value):
             shown = " (got NaN)"
-        raise ConfigError(f"{source}: {_where(first['loc'])}: {message}{shown}") from None
+        raise ConfigError(f"{source}: {field_path(first['loc'])}: {message}{shown}") from None
 
 
 def load_params(path: Path) -> Params:
     """Read and validate ``params.yaml``; every problem is one line naming file and field."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: params file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read params ({exc.__class__.__name__})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}:{where} is not valid YAML") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: is not valid params (nested too deeply)") from None
-    return parse_params(data, source=str(path))
+    text = read_text(path, what="params")
+    return parse_params(parse_yaml(text, source=str(path), what="params"), source=str(path))

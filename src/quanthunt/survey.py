@@ -8,6 +8,7 @@ candidate, and what the verification probes cost.
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -188,6 +189,21 @@ def plan_budget(rows: Sequence[ProviderRow], budget: Budget, probes: Probes) -> 
     }
 
 
+def _finite(text: str | None) -> float:
+    value = float(text or "")
+    if not math.isfinite(value):
+        raise ValueError("not finite")
+    return value
+
+
+def _optional_int(text: str | None) -> int | None:
+    return None if text in ("", "None", None) else int(text or "")
+
+
+def _optional_float(text: str | None) -> float | None:
+    return None if text in ("", "None", None) else _finite(text)
+
+
 def read_providers(path: Path) -> list[ProviderRow]:
     """Read ``providers.csv`` back (the verify and generate stages use it); problems are
     one line naming the file and line."""
@@ -200,30 +216,31 @@ def read_providers(path: Path) -> list[ProviderRow]:
             if missing:
                 raise ConfigError(f"{path}: missing columns {', '.join(sorted(missing))}; rerun the survey stage")
             rows = []
-            for line, raw in enumerate(reader, start=2):
+            for raw in reader:
+                line = reader.line_num
                 try:
                     rows.append(
                         ProviderRow(
-                            provider=raw["provider"],
-                            tag=raw["tag"],
-                            declared_quantization=raw["declared_quantization"],
-                            prompt_usd_per_m=float(raw["prompt_usd_per_m"]),
-                            completion_usd_per_m=float(raw["completion_usd_per_m"]),
-                            discount=float(raw["discount"] or 0),
-                            price_note=raw["price_note"],
-                            status=int(raw["status"]) if raw["status"] not in ("", "None") else None,
-                            uptime_last_30m=float(raw["uptime_last_30m"]) if raw["uptime_last_30m"] not in ("", "None") else None,
-                            context_length=int(raw["context_length"]),
-                            max_completion_tokens=int(raw["max_completion_tokens"])
-                            if raw["max_completion_tokens"] not in ("", "None")
-                            else None,
+                            provider=str(raw["provider"]),
+                            tag=str(raw["tag"]),
+                            declared_quantization=str(raw["declared_quantization"]),
+                            prompt_usd_per_m=_finite(raw["prompt_usd_per_m"]),
+                            completion_usd_per_m=_finite(raw["completion_usd_per_m"]),
+                            discount=_finite(raw["discount"] or "0"),
+                            price_note=str(raw["price_note"] or ""),
+                            status=_optional_int(raw["status"]),
+                            uptime_last_30m=_optional_float(raw["uptime_last_30m"]),
+                            context_length=int(raw["context_length"] or ""),
+                            max_completion_tokens=_optional_int(raw["max_completion_tokens"]),
                             supports_logprobs=raw["supports_logprobs"] == "True",
-                            decision=raw["decision"],
-                            reason=raw["reason"],
+                            decision=str(raw["decision"]),
+                            reason=str(raw["reason"]),
                         )
                     )
-                except (ValueError, KeyError):
+                except (ValueError, KeyError, TypeError):
                     raise ConfigError(f"{path}:{line}: not a valid provider row") from None
             return rows
     except FileNotFoundError:
         raise ConfigError(f"{path}: providers table not found; run the survey stage first (quanthunt survey)") from None
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(f"{path}: cannot read the providers table ({exc.__class__.__name__})") from None

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from quanthunt.config_files import field_path, one_line
 from quanthunt.errors import ConfigError
 
 Verdict = Literal["equivalent", "different", "inconclusive"]
@@ -91,11 +92,14 @@ def load_verdicts(path: Path) -> Verdicts:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: verdicts file not found; run the verify stage first (quanthunt verify)") from None
+    except (OSError, ValueError) as exc:  # a directory, not UTF-8, ...
+        raise ConfigError(f"{path}: cannot read verdicts ({exc.__class__.__name__})") from None
     try:
         return Verdicts.model_validate(json.loads(text))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON (line {exc.lineno})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid verdicts (nested too deeply)") from None
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"{path}: {where}: {first['msg']}") from None
+        raise ConfigError(f"{path}: {field_path(first['loc'])}: {one_line(first['msg'], 300)}") from None

@@ -13,9 +13,9 @@ import math
 from importlib import resources
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from quanthunt.config_files import field_path, one_line, parse_yaml, read_text
 from quanthunt.errors import ConfigError
 from quanthunt.spec import ENDPOINT_STATUSES, QUANTIZATIONS
 
@@ -291,43 +291,16 @@ class Roster(_Strict):
 DEFAULT_ROSTER = "roster.yaml"
 
 
-def _one_line(text: str, limit: int) -> str:
-    """``text`` with line breaks and other unprintable characters escaped, cut to ``limit`` characters."""
-    if not text.isprintable():
-        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _part(part: int | str) -> str:
-    """One step of a field path: a plain key as it is; an empty, padded, dotted or unprintable one quoted."""
-    text = str(part)
-    if isinstance(part, str) and (not text.isprintable() or "." in text or text != text.strip() or not text):
-        text = repr(part)
-    return _one_line(text, 60)
-
-
-def _location(loc: tuple[int | str, ...]) -> str:
-    return ".".join(_part(part) for part in loc)
-
-
 def parse_roster(text: str, *, source: str) -> Roster:
     """Parse roster YAML; errors name the file and the field."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{source}:{where} is not valid YAML") from None
-    except RecursionError:
-        raise ConfigError(f"{source}: is not a valid roster (nested too deeply)") from None
+    data = parse_yaml(text, source=source, what="roster")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a roster is a mapping with a 'providers' list")
     try:
         return Roster.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = _location(first["loc"]) or "(top level)"
-        raise ConfigError(f"{source}: {field}: {_one_line(first['msg'], 300)}") from None
+        raise ConfigError(f"{source}: {field_path(first['loc'])}: {one_line(first['msg'], 300)}") from None
 
 
 def default_roster_path() -> Path:
@@ -340,10 +313,4 @@ def load_roster(path: Path | None = None) -> Roster:
     if path is None:
         text = resources.files("quanthunt.sandbox").joinpath(DEFAULT_ROSTER).read_text(encoding="utf-8")
         return parse_roster(text, source=f"quanthunt/sandbox/{DEFAULT_ROSTER}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: roster file not found") from None
-    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, or a NUL in the path
-        raise ConfigError(f"{path}: cannot read roster ({exc.__class__.__name__})") from None
-    return parse_roster(text, source=str(path))
+    return parse_roster(read_text(path, what="roster"), source=str(path))

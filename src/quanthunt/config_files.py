@@ -1,0 +1,52 @@
+"""Reading the user's YAML files (params, rosters) and turning every problem into one
+``ConfigError`` line that names the file and the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from quanthunt.errors import ConfigError
+
+
+def one_line(text: str, limit: int) -> str:
+    """``text`` with line breaks and other unprintable characters escaped, cut to ``limit``
+    characters: safe to put in a one-line message."""
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _part(part: int | str) -> str:
+    """One step of a field path: a plain key as it is; an empty, padded, dotted or unprintable one quoted."""
+    text = str(part)
+    if isinstance(part, str) and (not text.isprintable() or "." in text or text != text.strip() or not text):
+        text = repr(part)
+    return one_line(text, 60)
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as a dotted path (``survey.budget.usd``)."""
+    return ".".join(_part(part) for part in loc) or "(top level)"
+
+
+def read_text(path: Path, *, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: {what} file not found") from None
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, or a NUL in the path
+        raise ConfigError(f"{path}: cannot read {what} ({exc.__class__.__name__})") from None
+
+
+def parse_yaml(text: str, *, source: str, what: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}:{where} is not valid YAML") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: is not a valid {what} (nested too deeply)") from None
