@@ -27,7 +27,7 @@ def roster(**extra: Any) -> dict[str, Any]:
     return {
         "providers": [
             provider("alpha", faults={**FAULT_TIMING, **faults}),
-            provider("beta", pricing={"prompt": "0.000002", "completion": "0.000004"}, faults={**FAULT_TIMING, **faults}),
+            provider("beta", pricing={"prompt": "0.000001", "completion": "0.0000025"}, faults={**FAULT_TIMING, **faults}),
             provider("nolog", supports_logprobs=False),
         ],
         **extra,
