@@ -7,16 +7,18 @@ per prompt for ``--prompts`` prompts drawn from the shipped datasets): the provi
 logprobs of its sampled tokens and the reference's teacher-forced scores of the same
 tokens. A 20 % NVFP4 mixture draws each completion from the NVFP4 pool with probability
 0.2, else from the faithful pool. Then, for every seed, it subsamples audits of several
-sizes and runs the stage's own tests (``verification.logprob_tests`` / ``sample_tests``)
-and the MMD-Hamming baseline on the *same* samples, and prints the share of seeds in
-which each precision was found different (false-positive rate for faithful precisions,
-power otherwise) at alpha = 0.05. It also prints the faithful bf16 distribution the
-margins are calibrated on. Takes ~20-30 minutes on 2 cores (mostly building the pools).
+sizes and runs the stage's own decision (``verification.decide``) and the MMD-Hamming
+baseline on the *same* samples, and prints the share of seeds in which each precision
+was found different (false-positive rate for faithful precisions, power otherwise) and
+equivalent at alpha = 0.05. It also prints the faithful bf16 distribution the margins
+are calibrated on. Building the pools takes ~40 minutes on 2 cores; they are cached
+(``~/.cache/quanthunt/benchmarks``), so later runs take a few minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import random
 import statistics
 import time
@@ -31,17 +33,19 @@ from quanthunt import stats
 from quanthunt.params import load_params
 from quanthunt.prompts import load_prompts
 from quanthunt.sandbox.engine import SamplingRequest
-from quanthunt.sandbox.model import PrecisionStore, load_reference
+from quanthunt.sandbox.model import PrecisionStore, cache_root, load_reference
 from quanthunt.sandbox.sampler import Sampler
 from quanthunt.verification import (
+    RANK_TOP_K,
     Audit,
     LogprobCompletion,
     Margins,
     Policy,
     SampledText,
-    logprob_tests,
+    Subject,
+    decide,
     probe_seed,
-    sample_tests,
+    rank_score,
     select_probes,
 )
 
@@ -50,16 +54,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass
 class Item:
-    """One pooled completion: provider logprobs and reference scores of its tokens."""
+    """One pooled completion: provider logprobs and reference scores of its tokens, and the
+    reference's entropy (from its top-20) at each position."""
 
     probe: str
     token_ids: list[int]
     provider_logprobs: list[float]
     reference_logprobs: list[float]
+    reference_tops: list[dict[str, float]]
+    """The reference's top-20 at each position, plus the sampled token when not among them."""
 
     @property
     def mean_loglik(self) -> float:
         return statistics.fmean(self.reference_logprobs) if self.reference_logprobs else 0.0
+
+    def rank_score(self, seed: str) -> float:
+        return rank_score(self.reference_logprobs, self.reference_tops, listed=RANK_TOP_K, seed=seed)
 
 
 def build_pool(
@@ -74,10 +84,12 @@ def build_pool(
     for start in range(0, len(requests), 32):
         chunk = requests[start : start + 32]
         samples = sampler.sample([r for _, _, r in chunk])
-        scored = reference.score_many([(list(ids) + s.token_ids, 0) for (_, ids, _), s in zip(chunk, samples, strict=True)])
-        for (probe, ids, _), sample, score in zip(chunk, samples, scored, strict=True):
-            ref = [t.logprob for t in score[len(ids) :] if t is not None]
-            items.append(Item(probe, sample.token_ids, [t.logprob for t in sample.logprobs], ref))
+        jobs = [(list(ids) + sample.token_ids, RANK_TOP_K) for (_, ids, _), sample in zip(chunk, samples, strict=True)]
+        for (probe, ids, _), sample, score in zip(chunk, samples, reference.score_many(jobs), strict=True):
+            tail = [t for t in score[len(ids) :] if t is not None]
+            tops = [{str(i): lp for i, lp in t.top} | {str(t.token_id): t.logprob} for t in tail]
+            provider = [t.logprob for t in sample.logprobs]
+            items.append(Item(probe, sample.token_ids, provider, [t.logprob for t in tail], tops))
     return items
 
 
@@ -112,34 +124,29 @@ def sample_audit(pool: dict[str, list[Item]], reference: dict[str, list[Item]], 
     for probe, provided in pool.items():
         for source, items in (("provider", provided), ("reference", reference[probe])):
             for j, item in enumerate(rng.sample(items, k)):
-                audit.sampled.append(SampledText(probe, j, source, item.token_ids, item.mean_loglik))
+                score = item.rank_score(f"{probe}:{j}:{source}:{item.token_ids}")
+                audit.sampled.append(
+                    SampledText(probe, j, source, item.token_ids, item.mean_loglik, score, len(item.reference_logprobs))
+                )
     return audit
 
 
-def different(tests: object, alpha: float) -> bool:
-    return any(p < alpha for (_, _, p, _) in tests.difference)  # type: ignore[attr-defined]
+def verdict(audit: Audit, margins: Margins, policy: Policy, seed: int) -> str:
+    """The stage's own decision for one provider."""
+    (judged,) = decide([Subject("p", "p/x", "unknown", "candidate")], [audit], margins, policy, seed=seed)
+    return judged.verdict
 
 
-def equivalent(tests: object, alpha: float) -> bool:
-    eq = tests.equivalence  # type: ignore[attr-defined]
-    return bool(eq) and all(p < alpha for (_, _, p, _) in eq) and not different(tests, alpha)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=60)
-    parser.add_argument("--prompts", type=int, default=25)
-    parser.add_argument("--pool", type=int, default=16, help="completions per prompt in each precision's pool")
-    parser.add_argument("--tokens", type=int, default=24)
-    args = parser.parse_args()
-    params = load_params(ROOT / "params.yaml")
-    m, d = params.verify.margin, params.verify.decision
-    margins = Margins(m.mean_abs_dlogprob, m.tail_dlogprob, m.tail_p0, m.mean_loglik)
-    policy = Policy(d.alpha, d.correction, d.min_power, d.mixture_share, d.max_failed_share)
-
+def load_or_build_pools(args: argparse.Namespace, params: object) -> dict[str, dict[str, list[Item]]]:
+    """The pools take most of the time: they are cached on disk by their settings."""
+    key = f"verify-pools-p{args.prompts}-n{args.pool}-t{args.tokens}-v3.pkl"
+    cached = cache_root() / "benchmarks" / key
+    if cached.exists() and not args.rebuild:
+        print(f"pools from {cached}", flush=True)
+        return pickle.loads(cached.read_bytes())
     model, tokenizer = load_reference()
     store = PrecisionStore(model)
-    datasets = {name: load_prompts(params.paths.prompt_file(ROOT, name)) for name in params.datasets}
+    datasets = {name: load_prompts(params.paths.prompt_file(ROOT, name)) for name in params.datasets}  # type: ignore[attr-defined]
     probes = select_probes(datasets, count=args.prompts, seed=0)
     prompts = [
         (p.id, list(tokenizer.apply_chat_template(p.as_messages(), add_generation_prompt=True, return_dict=True)["input_ids"]))
@@ -148,16 +155,47 @@ def main() -> None:
     reference = Sampler(model, tokenizer, stop_token_ids=[])
     pools: dict[str, dict[str, list[Item]]] = {}
     started = time.perf_counter()
-    for name, precision, seed in (("reference samples", "int4-native", 101), ("int4-native", "int4-native", 0),
-                                  ("int4-bf16act", "int4-bf16act", 0), ("nvfp4", "nvfp4", 0)):  # fmt: skip
+    for name, precision, seed in (
+        ("reference samples", "int4-native", 101),
+        ("int4-native", "int4-native", 0),
+        ("int4-bf16act", "int4-bf16act", 0),
+        ("nvfp4", "nvfp4", 0),
+    ):
         sampler = Sampler(store.get(precision), tokenizer, stop_token_ids=[])
         pools[name] = by_probe(build_pool(sampler, reference, prompts, args.pool, args.tokens, seed))
         print(f"pool {name}: {args.prompts * args.pool} completions ({time.perf_counter() - started:.0f} s)", flush=True)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_bytes(pickle.dumps(pools))
+    return pools
 
-    bf16 = [statistics.fmean(abs(a - b) for a, b in zip(i.provider_logprobs, i.reference_logprobs, strict=False))
-            for items in pools["int4-bf16act"].values() for i in items]  # fmt: skip
-    nv = [statistics.fmean(abs(a - b) for a, b in zip(i.provider_logprobs, i.reference_logprobs, strict=False))
-          for items in pools["nvfp4"].values() for i in items]  # fmt: skip
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=60)
+    parser.add_argument("--prompts", type=int, default=25)
+    parser.add_argument("--pool", type=int, default=16, help="completions per prompt in each precision's pool")
+    parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--rebuild", action="store_true", help="rebuild the cached pools")
+    parser.add_argument("--sample-margin", type=float, default=None, help="override verify.margin.sample_mean_z")
+    args = parser.parse_args()
+    params = load_params(ROOT / "params.yaml")
+    m, d = params.verify.margin, params.verify.decision
+    margins = Margins(
+        m.mean_abs_dlogprob, m.tail_dlogprob, m.tail_p0, args.sample_margin or m.sample_mean_z, m.sample_tail_z, m.sample_tail_p0
+    )
+    policy = Policy(d.alpha, d.correction, d.min_power, d.mixture_share, d.max_failed_share)
+    pools = load_or_build_pools(args, params)
+
+    bf16 = [
+        statistics.fmean(abs(a - b) for a, b in zip(i.provider_logprobs, i.reference_logprobs, strict=False))
+        for items in pools["int4-bf16act"].values()
+        for i in items
+    ]
+    nv = [
+        statistics.fmean(abs(a - b) for a, b in zip(i.provider_logprobs, i.reference_logprobs, strict=False))
+        for items in pools["nvfp4"].values()
+        for i in items
+    ]
     print(f"\nper-completion mean |Δ logprob| (calibration; margin {m.mean_abs_dlogprob}, extreme above {m.tail_dlogprob}):")
     for name, values in (("int4-bf16act", bf16), ("nvfp4", nv)):
         q = np.quantile(values, [0.5, 0.99, 1.0] if name != "nvfp4" else [0.0, 0.01, 0.5])
@@ -167,7 +205,7 @@ def main() -> None:
 
     subjects = ("int4-native", "int4-bf16act", "nvfp4", "mix-20%-nvfp4")
     budgets = (1, 2, 3, 5, 8, 11, 15, 20)
-    ks = (1, 2, 3, 5, 10)
+    ks = tuple(k for k in (1, 2, 3, 5, 10) if k <= args.pool)
     lp_rate: Counter[tuple[str, int]] = Counter()
     lp_equiv: Counter[tuple[str, int]] = Counter()
     sm_rate: Counter[tuple[str, int, str]] = Counter()
@@ -183,19 +221,24 @@ def main() -> None:
         }
         for name in subjects:
             for n in budgets:
-                tests = logprob_tests(logprob_audit(subject_pools[name], n, rng), margins, policy, nrng)
-                lp_rate[(name, n)] += different(tests, policy.alpha)
-                lp_equiv[(name, n)] += equivalent(tests, policy.alpha)
+                judged = verdict(logprob_audit(subject_pools[name], n, rng), margins, policy, seed)
+                lp_rate[(name, n)] += judged == "different"
+                lp_equiv[(name, n)] += judged == "equivalent"
             for k in ks:
                 audit = sample_audit(subject_pools[name], pools["reference samples"], k, rng)
-                tests = sample_tests(audit, margins, policy, nrng)
-                sm_rate[(name, k, "ours")] += different(tests, policy.alpha)
+                judged = verdict(audit, margins, policy, seed)
+                sm_rate[(name, k, "ours")] += judged == "different"
+                sm_rate[(name, k, "equivalent")] += judged == "equivalent"
                 provider = [s for s in audit.sampled if s.source == "provider"]
                 ref = [s for s in audit.sampled if s.source == "reference"]
                 mmd = stats.mmd_hamming_test(
-                    [s.token_ids for s in provider], [s.token_ids for s in ref],
-                    [s.probe_id for s in provider], [s.probe_id for s in ref], n_permutations=500, rng=nrng,
-                )  # fmt: skip
+                    [s.token_ids for s in provider],
+                    [s.token_ids for s in ref],
+                    [s.probe_id for s in provider],
+                    [s.probe_id for s in ref],
+                    n_permutations=500,
+                    rng=nrng,
+                )
                 sm_rate[(name, k, "mmd")] += mmd.pvalue < policy.alpha
     s = args.seeds
     print(f"\nLogprob mode: share of {s} seeds found DIFFERENT (alpha {policy.alpha}; faithful rows are false-positive rates)")
@@ -210,6 +253,20 @@ def main() -> None:
     for name in subjects:
         cells = "".join(f"{sm_rate[(name, k, 'ours')] / s:>6.2f}/{sm_rate[(name, k, 'mmd')] / s:<5.2f}" for k in ks)
         print(f"{name:<21}{cells}")
+    print("share found EQUIVALENT (ours)")
+    for name in subjects:
+        print(f"{name:<21}" + "".join(f"{sm_rate[(name, k, 'equivalent')] / s:>12.2f}" for k in ks))
+    print("\nsample-mode rank score per completion (0 ± 1/√tokens for the reference's own text), and z above the tail threshold:")
+    for name in ("reference samples", "int4-native", "int4-bf16act", "nvfp4"):
+        scored = [
+            (i.rank_score(f"calibration:{j}"), len(i.reference_logprobs))
+            for items in pools[name].values()
+            for j, i in enumerate(items)
+        ]
+        values = [v for v, _ in scored]
+        extreme = sum(v * n**0.5 > m.sample_tail_z for v, n in scored)
+        spread = f"{statistics.fmean(values):+.4f} ± {statistics.stdev(values):.4f}"
+        print(f"  {name:<18} {spread}   z > {m.sample_tail_z}: {extreme}/{len(values)}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ on simulated audits whose truth is known (fixed seeds)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections import Counter
 
@@ -25,7 +26,9 @@ from quanthunt.verification import (
     with_retries,
 )
 
-MARGINS = Margins(mean_abs_dlogprob=0.08, tail_dlogprob=0.25, tail_p0=0.001, mean_loglik=0.15)
+MARGINS = Margins(
+    mean_abs_dlogprob=0.08, tail_dlogprob=0.25, tail_p0=0.001, sample_mean_z=0.2, sample_tail_z=3.0, sample_tail_p0=0.01
+)
 POLICY = Policy(alpha=0.05, correction="holm", min_power=0.8, mixture_share=0.2, max_failed_share=0.25)
 
 
@@ -141,23 +144,50 @@ def test_errors_and_misrouting_are_inconclusive() -> None:
     assert verdicts[1].verdict == "inconclusive" and "Someone Else ×3" in verdicts[1].reason
 
 
-def sample_audit(name: str, *, shift: float, k: int, seed: int) -> Audit:
+def sample_audit(name: str, *, shift: float, k: int, seed: int, extreme_share: float = 0.0) -> Audit:
+    """Rank scores as the reference would give them: N(shift, 1/24) per 24-token completion,
+    with ``extreme_share`` of completions from a much coarser model."""
     rng = random.Random(seed)
     audit = Audit(name, f"{name.lower()}/x", "sample")
     for p in range(16):
-        base = rng.gauss(-2.0, 0.5)
         for j in range(k):
-            audit.sampled.append(SampledText(f"p{p}", j, "provider", [1, 2, 3, j], base + shift + rng.gauss(0, 0.15)))
-            audit.sampled.append(SampledText(f"p{p}", j, "reference", [1, 2, 3, j + 1], base + rng.gauss(0, 0.15)))
+            mean = 0.8 if rng.random() < extreme_share else shift
+            audit.sampled.append(SampledText(f"p{p}", j, "provider", [1, 2, 3, j], -2.0, rng.gauss(mean, 24**-0.5), 24))
+            audit.sampled.append(SampledText(f"p{p}", j, "reference", [1, 2, 3, j + 1], -2.0, rng.gauss(0, 24**-0.5), 24))
         audit.served_by[name] += k
     return audit
 
 
 def test_sample_mode_decisions() -> None:
-    audits = [sample_audit("Same", shift=0.0, k=4, seed=1), sample_audit("Shifted", shift=-0.4, k=4, seed=2)]
-    verdicts = decide([subject("Same"), subject("Shifted")], audits, MARGINS, POLICY, seed=0)
-    assert verdicts[0].verdict == "equivalent"
-    assert verdicts[1].verdict == "different"
-    assert {t.kind for t in verdicts[0].tests} == {"difference", "equivalence", "baseline"}
-    shift = verdicts[0].effects["mean_loglik_shift"]
-    assert -MARGINS.mean_loglik < shift.ci_low <= shift.value <= shift.ci_high < MARGINS.mean_loglik
+    audits = [
+        sample_audit("Same", shift=0.0, k=4, seed=1),
+        sample_audit("Shifted", shift=0.6, k=4, seed=2),
+        sample_audit("Mixture", shift=0.0, k=4, seed=3, extreme_share=0.2),
+    ]
+    verdicts = decide([subject(a.provider) for a in audits], audits, MARGINS, POLICY, seed=0)
+    by_name = {v.provider: v for v in verdicts}
+    assert by_name["Same"].verdict == "equivalent"
+    assert by_name["Shifted"].verdict == "different"
+    assert by_name["Mixture"].verdict == "different" and "extreme completions" in by_name["Mixture"].reason
+    assert {t.kind for t in by_name["Same"].tests} == {"difference", "equivalence", "baseline"}
+    score = by_name["Same"].effects["rank_score"]
+    assert score.ci_low < 0.0 < score.ci_high
+    reference = by_name["Same"].effects["reference_rank_score"]
+    assert -0.1 < reference.value < 0.1  # the reference's own text centres on 0
+
+
+def test_pit_normal_scores_are_standard_normal_for_the_references_own_samples() -> None:
+    """Draw tokens from a known distribution, score them by its top-3: the scores are N(0, 1)."""
+    import statistics
+
+    from quanthunt.verification import pit_normal_score
+
+    probs = {"a": 0.5, "b": 0.2, "c": 0.15, "d": 0.1, "e": 0.05}
+    top3 = {t: math.log(p) for t, p in list(probs.items())[:3]}
+    rng = random.Random(0)
+    scores = []
+    for _ in range(4000):
+        token = rng.choices(list(probs), weights=list(probs.values()))[0]
+        top = top3 if token in top3 else top3 | {token: math.log(probs[token])}
+        scores.append(pit_normal_score(math.log(probs[token]), top, listed=3, u=rng.random()))
+    assert abs(statistics.fmean(scores)) < 0.05 and abs(statistics.stdev(scores) - 1) < 0.05

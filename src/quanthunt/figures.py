@@ -58,16 +58,17 @@ def logprob_audit(title: str, deltas: Sequence[float], completion_means: Sequenc
 
 
 def sample_audit(title: str, provider: Sequence[float], reference: Sequence[float]) -> bytes:
-    """ECDFs of the reference's mean log-likelihood per token of provider vs reference samples."""
+    """ECDFs of the rank score (mean normal score of each token's PIT under the reference) of
+    provider vs reference samples; the reference's own centre on 0."""
     fig, (left, right) = _figure()
     _ecdf(left, provider, "provider samples", color="#ee6677")
     _ecdf(left, reference, "reference samples", color="#4477aa")
-    left.set_xlabel("reference log-likelihood per token")
+    left.set_xlabel("rank score (0 for the reference's own text)")
     left.set_ylabel("ECDF")
     left.set_title(title, fontsize=9)
     left.legend(fontsize=7)
     right.hist([provider, reference], bins=15, label=["provider", "reference"], color=["#ee6677", "#4477aa"])
-    right.set_xlabel("reference log-likelihood per token")
+    right.set_xlabel("rank score")
     right.legend(fontsize=7)
     return png(fig)
 

@@ -190,8 +190,13 @@ class Margins(_Section):
     """Logprob mode: a completion whose mean |Δ| exceeds this is extreme."""
     tail_p0: float = Field(default=0.001, gt=0, lt=1)
     """Share of extreme completions a faithful provider may produce."""
-    mean_loglik: float = Field(default=0.15, gt=0)
-    """Sample mode: largest drop in mean reference log-likelihood (nats/token) that counts as the same model."""
+    sample_mean_z: float = Field(default=0.2, gt=0)
+    """Sample mode: largest mean rank score (normal score of each token's PIT under the
+    reference; 0 for the reference's own text) that counts as the same model."""
+    sample_tail_z: float = Field(default=3.0, gt=0)
+    """Sample mode: a completion whose rank z (score × √tokens) exceeds this is extreme."""
+    sample_tail_p0: float = Field(default=0.01, gt=0, lt=1)
+    """Share of extreme completions a faithful provider may produce in sample mode."""
 
 
 class Decision(_Section):

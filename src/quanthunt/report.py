@@ -45,7 +45,7 @@ def cost_rows(datasets: Sequence[DatasetView]) -> list[dict[str, Any]]:
 def verification_rows(verdicts: Verdicts) -> list[dict[str, Any]]:
     rows = []
     for v in verdicts.providers:
-        effect = v.effects.get("mean_abs_dlogprob") or v.effects.get("mean_loglik_shift")
+        effect = v.effects.get("mean_abs_dlogprob") or v.effects.get("rank_score")
         rows.append(
             {
                 "provider": v.provider,

@@ -127,6 +127,14 @@ class SampledText:
     source: str  # "provider" | "reference"
     token_ids: list[int]
     mean_loglik: float
+    rank_score: float = 0.0
+    """Mean over tokens of the normal score ``Φ⁻¹(u_t)`` of the token's randomised
+    probability-integral transform under the reference (``u_t`` = the reference's mass on
+    tokens it ranks above the sampled one, plus a uniform share of the token's own mass;
+    uniform over the tail beyond the top-k). For text the reference samples itself every
+    ``u_t`` is exactly uniform, so the score is N(0, 1/tokens) with no calibration run;
+    text from a coarser model picks tokens the reference ranks lower, and scores higher."""
+    tokens: int = 0
 
 
 @dataclass
@@ -157,6 +165,39 @@ async def with_retries(call: Callable[[], Awaitable[T]], *, attempts: int, error
                 raise
             await asyncio.sleep(min(exc.retry_after_s if exc.retry_after_s is not None else 0.2 * 2**attempt, 10.0))
     raise AssertionError("unreachable")
+
+
+RANK_TOP_K = 20
+"""Top logprobs asked of the reference when scoring sample-mode texts (the rank statistic)."""
+
+
+def pit_normal_score(logprob: float, top: Mapping[str, float], *, listed: int, u: float) -> float:
+    """``Φ⁻¹`` of the randomised PIT of one token (see ``SampledText.rank_score``).
+
+    ``top`` holds the reference's top-``listed`` logprobs, plus the sampled token when it was
+    not among them (vLLM's echo adds it); ``u`` is a uniform draw in [0, 1)."""
+    from scipy.stats import norm
+
+    p = math.exp(logprob)
+    probs = sorted((math.exp(v) for v in top.values()), reverse=True)
+    in_top = len(top) <= listed
+    if in_top:
+        above = sum(q for q in probs if q > p)
+        ties = sum(q for q in probs if q == p)
+        value = above + u * max(ties, p)
+    else:
+        listed_mass = min(sum(probs) - p, 1.0)
+        value = listed_mass + u * (1.0 - listed_mass)
+    return float(norm.ppf(min(max(value, 1e-12), 1 - 1e-12)))
+
+
+def rank_score(logprobs: Sequence[float], tops: Sequence[Mapping[str, float]], *, listed: int, seed: str) -> float:
+    """Mean normal score of a completion's tokens (seeded jitter: same text, same score)."""
+    rng = np.random.default_rng(int(hashlib.sha256(seed.encode()).hexdigest()[:16], 16))
+    scores = [
+        pit_normal_score(lp, top, listed=listed, u=float(rng.random())) for lp, top in zip(logprobs, tops, strict=False) if top
+    ]
+    return statistics.fmean(scores) if scores else 0.0
 
 
 def _completion_slice(scored: Scored, start: int) -> tuple[list[str], list[float], list[dict[str, float]]]:
@@ -202,18 +243,24 @@ class Auditor:
 
     async def prompt_ids(self, probe: Probe, errors: Counter[str]) -> list[int]:
         if probe.id not in self._prompt_ids:
-            ids = await with_retries(lambda: self.reference.tokenize_chat(probe.as_messages()), attempts=self.design.max_attempts,
-                                     errors=errors)  # fmt: skip
+            ids = await with_retries(
+                lambda: self.reference.tokenize_chat(probe.as_messages()), attempts=self.design.max_attempts, errors=errors
+            )
             self._prompt_ids[probe.id] = ids
         return self._prompt_ids[probe.id]
 
     async def _ask(self, audit: Audit, probe: Probe, index: int, *, logprobs: bool) -> ChatReply:
         d = self.design
         body = chat_body(
-            model=d.model, messages=probe.as_messages(), max_tokens=d.max_tokens, temperature=d.temperature,
-            seed=probe_seed(d.seed, probe.id, index), logprobs=logprobs, top_logprobs=d.top_logprobs if logprobs else None,
+            model=d.model,
+            messages=probe.as_messages(),
+            max_tokens=d.max_tokens,
+            temperature=d.temperature,
+            seed=probe_seed(d.seed, probe.id, index),
+            logprobs=logprobs,
+            top_logprobs=d.top_logprobs if logprobs else None,
             routing=Routing.pinned(audit.tag),
-        )  # fmt: skip
+        )
         reply = await with_retries(lambda: self.gateway.chat(body), attempts=d.max_attempts, errors=audit.errors)
         audit.served_by[reply.provider or "(not named)"] += 1
         if reply.usage is not None:
@@ -227,9 +274,13 @@ class Auditor:
         ids = await with_retries(lambda: self.reference.tokenize_text(text), attempts=attempts, errors=errors)
         if not ids:
             return SampledText(probe.id, index, source, [], 0.0)
-        scored = await with_retries(lambda: self.reference.score(prompt + ids, top_logprobs=0), attempts=attempts, errors=errors)
+        scored = await with_retries(
+            lambda: self.reference.score(prompt + ids, top_logprobs=RANK_TOP_K), attempts=attempts, errors=errors
+        )
         values = [float(v) for v in scored.logprobs[len(prompt) :] if v is not None]
-        return SampledText(probe.id, index, source, ids, statistics.fmean(values) if values else 0.0)
+        tops = [t or {} for t in scored.top[len(prompt) :]]
+        score = rank_score(values, tops, listed=RANK_TOP_K, seed=f"{probe.id}:{index}:{source}:{text}")
+        return SampledText(probe.id, index, source, ids, statistics.fmean(values) if values else 0.0, score, len(values))
 
     async def logprob_completion(self, audit: Audit, probe: Probe, index: int) -> None:
         async with self._gate:
@@ -239,8 +290,9 @@ class Auditor:
                 if not reply.logprobs:
                     raise GatewayError("the provider returned no logprobs", kind="no_logprobs")
                 prompt = await self.prompt_ids(probe, audit.errors)
-                ids = await with_retries(lambda: self.reference.tokenize_text(reply.content), attempts=self.design.max_attempts,
-                                         errors=audit.errors)  # fmt: skip
+                ids = await with_retries(
+                    lambda: self.reference.tokenize_text(reply.content), attempts=self.design.max_attempts, errors=audit.errors
+                )
                 scored = await with_retries(
                     lambda: self.reference.score(prompt + ids, top_logprobs=self.design.top_logprobs),
                     attempts=self.design.max_attempts,
@@ -310,7 +362,9 @@ class Margins:
     mean_abs_dlogprob: float
     tail_dlogprob: float
     tail_p0: float
-    mean_loglik: float
+    sample_mean_z: float
+    sample_tail_z: float
+    sample_tail_p0: float
 
 
 @dataclass(frozen=True)
@@ -373,9 +427,13 @@ def logprob_tests(audit: Audit, margins: Margins, policy: Policy, rng: np.random
     tail_p = stats.binomial_tail_test(flagged, n, p0=margins.tail_p0)
     tests.difference = [
         ("mean |Δ logprob| above margin", above.statistic, above.pvalue, f"mean |Δ| ≤ {margins.mean_abs_dlogprob}"),
-        ("extreme completions (tail)", float(flagged), tail_p,
-         f"share of completions with mean |Δ| > {margins.tail_dlogprob} ≤ {margins.tail_p0}"),
-    ]  # fmt: skip
+        (
+            "extreme completions (tail)",
+            float(flagged),
+            tail_p,
+            f"share of completions with mean |Δ| > {margins.tail_dlogprob} ≤ {margins.tail_p0}",
+        ),
+    ]
     tests.equivalence = [
         ("mean |Δ logprob| below margin", below.statistic, below.pvalue, f"mean |Δ| ≥ {margins.mean_abs_dlogprob}")
     ]
@@ -402,47 +460,77 @@ def logprob_tests(audit: Audit, margins: Margins, policy: Policy, rng: np.random
 
 
 def sample_tests(audit: Audit, margins: Margins, policy: Policy, rng: np.random.Generator) -> _Tests:
-    provider = [s for s in audit.sampled if s.source == "provider"]
-    reference = [s for s in audit.sampled if s.source == "reference"]
-    common = sorted({s.probe_id for s in provider} & {s.probe_id for s in reference})
-    provider = [s for s in provider if s.probe_id in common]
-    reference = [s for s in reference if s.probe_id in common]
+    """Sample mode, on each provider completion's ``rank_score`` (mean normal score of its
+    tokens' PIT under the reference), whose null distribution is known exactly: N(0, 1/n)
+    for n tokens, no reference samples needed to calibrate it.
+
+    - mean test: the mean score over completions above ``sample_mean_z`` → different; below
+      it → equivalent (a faithful provider on other numerics shifts it a little, not 0.3);
+    - tail test: completions whose z (score × √n) exceeds ``sample_tail_z`` are extreme; more
+      of them than a faithful provider's ``sample_tail_p0`` share → different (a mixture);
+    - reported for comparison on the same samples: the reference's own samples scored the same
+      way (a check that the scoring path is sound: they should centre on 0), a stratified
+      permutation test of mean log-likelihood, and MMD with a Hamming kernel (Gao et al. 2025).
+    """
+    provider = [s for s in audit.sampled if s.source == "provider" and s.tokens]
+    reference = [s for s in audit.sampled if s.source == "reference" and s.tokens]
     tests = _Tests([], [], [], {}, {}, None, len(provider))
-    if len(common) < 2:
+    if len(provider) < 2:
         return tests
-    x = [s.mean_loglik for s in provider]
-    y = [s.mean_loglik for s in reference]
-    sx, sy = [s.probe_id for s in provider], [s.probe_id for s in reference]
-    mean = stats.stratified_permutation_test(x, y, sx, sy, statistic="mean", alternative="less", n_permutations=2000, rng=rng)
-    tail = stats.stratified_permutation_test(
-        x, y, sx, sy, statistic="tail_count", alternative="greater", n_permutations=2000, rng=rng
-    )
-    by_probe_x, by_probe_y = _per_probe(x, sx), _per_probe(y, sy)
-    deltas = [a - b for a, b in zip(by_probe_x, by_probe_y, strict=True)]
-    equiv = stats.one_sided_mean_test(deltas, threshold=-margins.mean_loglik, alternative="greater")
-    mmd = stats.mmd_hamming_test(
-        [s.token_ids for s in provider], [s.token_ids for s in reference], sx, sy, n_permutations=1000, rng=rng
-    )
+    scores = [s.rank_score for s in provider]
+    zs = [s.rank_score * math.sqrt(s.tokens) for s in provider]
+    flagged = sum(1 for z in zs if z > margins.sample_tail_z)
+    above = stats.one_sided_mean_test(scores, threshold=margins.sample_mean_z, alternative="greater")
+    below = stats.one_sided_mean_test(scores, threshold=margins.sample_mean_z, alternative="less")
+    tail_p = stats.binomial_tail_test(flagged, len(zs), p0=margins.sample_tail_p0)
     tests.difference = [
-        ("provider samples less likely under the reference (stratified permutation, mean)", mean.statistic, mean.pvalue,
-         "provider and reference samples exchangeable within prompt"),
-        ("provider samples in the reference's low tail (stratified permutation, tail count)", tail.statistic, tail.pvalue,
-         "provider and reference samples exchangeable within prompt"),
-    ]  # fmt: skip
-    tests.equivalence = [
-        ("log-likelihood shift within margin", equiv.statistic, equiv.pvalue, f"shift ≤ -{margins.mean_loglik} nats/token")
+        ("rank score above margin", above.statistic, above.pvalue, f"mean rank score ≤ {margins.sample_mean_z}"),
+        (
+            "extreme completions (tail of rank z)",
+            float(flagged),
+            tail_p,
+            f"share of completions with z > {margins.sample_tail_z} ≤ {margins.sample_tail_p0}",
+        ),
     ]
-    tests.baseline = [("MMD, Hamming kernel (Gao et al. 2025)", mmd.statistic, mmd.pvalue, "same distribution")]
-    tests.effects = {
-        "mean_loglik_shift": _estimate(deltas, common, rng),
-        "provider_mean_loglik": _estimate(x, sx, rng),
-        "reference_mean_loglik": _estimate(y, sy, rng),
+    tests.equivalence = [("rank score below margin", below.statistic, below.pvalue, f"mean rank score ≥ {margins.sample_mean_z}")]
+    sx = [s.probe_id for s in provider]
+    if len(reference) >= 2 and len({s.probe_id for s in reference} & set(sx)) >= 2:
+        sy = [s.probe_id for s in reference]
+        x, y = [s.mean_loglik for s in provider], [s.mean_loglik for s in reference]
+        loglik = stats.stratified_permutation_test(
+            x, y, sx, sy, statistic="mean", alternative="less", n_permutations=2000, rng=rng
+        )
+        mmd = stats.mmd_hamming_test(
+            [s.token_ids for s in provider], [s.token_ids for s in reference], sx, sy, n_permutations=1000, rng=rng
+        )
+        tests.baseline = [
+            (
+                "mean log-likelihood, stratified permutation (no margin)",
+                loglik.statistic,
+                loglik.pvalue,
+                "exchangeable within prompt",
+            ),
+            ("MMD, Hamming kernel (Gao et al. 2025)", mmd.statistic, mmd.pvalue, "same distribution"),
+        ]
+        tests.effects["reference_rank_score"] = _estimate([s.rank_score for s in reference], sy, rng)
+    low, high = _binomial_ci(flagged, len(zs))
+    tests.effects |= {
+        "rank_score": _estimate(scores, sx, rng),
+        "extreme_share": Estimate(value=flagged / len(zs), ci_low=low, ci_high=high),
+        "provider_mean_loglik": _estimate([s.mean_loglik for s in provider], sx, rng),
     }
-    sd = equiv.sd if equiv.sd > 0 and math.isfinite(equiv.sd) else 1e-9
-    effect = (equiv.mean + margins.mean_loglik) / sd
-    tests.power = {"equivalence": stats.mean_shift_power(effect, len(deltas), alpha=policy.alpha) if effect > 0 else 0.0}
-    need = _needed(lambda: stats.probes_for_mean_shift(effect, alpha=policy.alpha, max_n=5000)) if effect > 0 else None
-    tests.probes_needed = need
+    sd = below.sd if below.sd > 0 and math.isfinite(below.sd) else 1e-9
+    effect = (margins.sample_mean_z - below.mean) / sd
+    n = len(scores)
+    tests.power = {
+        "tail": stats.tail_power(policy.mixture_share, n, p0=margins.sample_tail_p0, alpha=policy.alpha),
+        "equivalence": stats.mean_shift_power(effect, n, alpha=policy.alpha) if effect > 0 else 0.0,
+    }
+    need_tail = _needed(
+        lambda: stats.probes_for_tail(policy.mixture_share, p0=margins.sample_tail_p0, alpha=policy.alpha, max_n=5000)
+    )
+    need_mean = _needed(lambda: stats.probes_for_mean_shift(effect, alpha=policy.alpha, max_n=5000)) if effect > 0 else None
+    tests.probes_needed = max(v for v in (need_tail, need_mean, 2) if v is not None)
     return tests
 
 
@@ -574,6 +662,6 @@ def summary_values(audit: Audit) -> dict[str, Any]:
             "completion_means": [c.mean_abs_delta for c in audit.logprob],
         }
     return {
-        "provider": [s.mean_loglik for s in audit.sampled if s.source == "provider"],
-        "reference": [s.mean_loglik for s in audit.sampled if s.source == "reference"],
+        "provider": [s.rank_score for s in audit.sampled if s.source == "provider"],
+        "reference": [s.rank_score for s in audit.sampled if s.source == "reference"],
     }
