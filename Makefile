@@ -44,8 +44,11 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# Stage tests mostly wait on their subprocesses, so two workers share the two cores well;
+# tests on the real model stay on one worker (tests/conftest.py). TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 unit: install
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
 
 test: browser lint typecheck unit
 
