@@ -170,14 +170,15 @@ async def with_retries(call: Callable[[], Awaitable[T]], *, attempts: int, error
 RANK_TOP_K = 20
 """Top logprobs asked of the reference when scoring sample-mode texts (the rank statistic)."""
 
+_STANDARD_NORMAL = statistics.NormalDist()
+"""Per-token quantiles: the stdlib's is ~1,000x faster than scipy's on scalars, equal to 1e-15."""
+
 
 def pit_normal_score(logprob: float, top: Mapping[str, float], *, listed: int, u: float) -> float:
     """``Φ⁻¹`` of the randomised PIT of one token (see ``SampledText.rank_score``).
 
     ``top`` holds the reference's top-``listed`` logprobs, plus the sampled token when it was
     not among them (vLLM's echo adds it); ``u`` is a uniform draw in [0, 1)."""
-    from scipy.stats import norm
-
     p = math.exp(logprob)
     probs = sorted((math.exp(v) for v in top.values()), reverse=True)
     in_top = len(top) <= listed
@@ -188,7 +189,7 @@ def pit_normal_score(logprob: float, top: Mapping[str, float], *, listed: int, u
     else:
         listed_mass = min(sum(probs) - p, 1.0)
         value = listed_mass + u * (1.0 - listed_mass)
-    return float(norm.ppf(min(max(value, 1e-12), 1 - 1e-12)))
+    return _STANDARD_NORMAL.inv_cdf(min(max(value, 1e-12), 1 - 1e-12))
 
 
 def rank_score(logprobs: Sequence[float], tops: Sequence[Mapping[str, float]], *, listed: int, seed: str) -> float:
