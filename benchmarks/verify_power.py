@@ -181,7 +181,13 @@ def main() -> None:
     params = load_params(ROOT / "params.yaml")
     m, d = params.verify.margin, params.verify.decision
     margins = Margins(
-        m.mean_abs_dlogprob, m.tail_dlogprob, m.tail_p0, args.sample_margin or m.sample_mean_z, m.sample_tail_z, m.sample_tail_p0
+        m.mean_abs_dlogprob,
+        m.tail_dlogprob,
+        m.tail_p0,
+        args.sample_margin or m.sample_mean_z,
+        m.sample_tail_z,
+        m.sample_tail_p0,
+        m.sample_equivalence_z,
     )
     policy = Policy(d.alpha, d.correction, d.min_power, d.mixture_share, d.max_failed_share)
     pools = load_or_build_pools(args, params)

@@ -180,7 +180,15 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         decided = decide(
             [r.subject for r in rows],
             audits,
-            Margins(m.mean_abs_dlogprob, m.tail_dlogprob, m.tail_p0, m.sample_mean_z, m.sample_tail_z, m.sample_tail_p0),
+            Margins(
+                m.mean_abs_dlogprob,
+                m.tail_dlogprob,
+                m.tail_p0,
+                m.sample_mean_z,
+                m.sample_tail_z,
+                m.sample_tail_p0,
+                m.sample_equivalence_z,
+            ),
             Policy(d.alpha, d.correction, d.min_power, d.mixture_share, d.max_failed_share),
             seed=params.verify.seed,
         )

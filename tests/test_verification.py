@@ -27,7 +27,13 @@ from quanthunt.verification import (
 )
 
 MARGINS = Margins(
-    mean_abs_dlogprob=0.08, tail_dlogprob=0.25, tail_p0=0.001, sample_mean_z=0.2, sample_tail_z=3.0, sample_tail_p0=0.01
+    mean_abs_dlogprob=0.08,
+    tail_dlogprob=0.25,
+    tail_p0=0.001,
+    sample_mean_z=0.2,
+    sample_tail_z=3.0,
+    sample_tail_p0=0.01,
+    sample_equivalence_z=0.2,
 )
 POLICY = Policy(alpha=0.05, correction="holm", min_power=0.8, mixture_share=0.2, max_failed_share=0.25)
 

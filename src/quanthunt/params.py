@@ -15,7 +15,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quanthunt import gateway
 from quanthunt.config_files import field_path, one_line, parse_yaml, read_text
@@ -190,13 +190,25 @@ class Margins(_Section):
     """Logprob mode: a completion whose mean |Δ| exceeds this is extreme."""
     tail_p0: float = Field(default=0.001, gt=0, lt=1)
     """Share of extreme completions a faithful provider may produce."""
-    sample_mean_z: float = Field(default=0.2, gt=0)
-    """Sample mode: largest mean rank score (normal score of each token's PIT under the
-    reference; 0 for the reference's own text) that counts as the same model."""
-    sample_tail_z: float = Field(default=3.0, gt=0)
+    sample_mean_z: float = Field(default=0.008, gt=0)
+    """Sample mode: mean rank score (normal score of each token's PIT under the reference;
+    0 for the reference's own text) above which a provider is different (bf16 compute
+    shifts it by ~0.01 at most; NVFP4 by ~0.23)."""
+    sample_equivalence_z: float = Field(default=0.05, gt=0)
+    """Sample mode: mean rank score below which (with confidence) a provider is equivalent.
+    Wider than ``sample_mean_z``: at a few hundred completions no margin as tight as a
+    faithful provider's own shift can be shown from below."""
+    sample_tail_z: float = Field(default=2.0, gt=0)
     """Sample mode: a completion whose rank z (score × √tokens) exceeds this is extreme."""
-    sample_tail_p0: float = Field(default=0.01, gt=0, lt=1)
-    """Share of extreme completions a faithful provider may produce in sample mode."""
+    sample_tail_p0: float = Field(default=0.025, gt=0, lt=1)
+    """Share of extreme completions a faithful provider may produce in sample mode
+    (1 - Φ(2) = 2.3 % for the reference's own text)."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Margins:
+        if self.sample_equivalence_z < self.sample_mean_z:
+            raise ValueError("sample_equivalence_z must be at least sample_mean_z")
+        return self
 
 
 class Decision(_Section):
