@@ -163,15 +163,14 @@ class Ledger:
         """The request is about to be sent: ``in_flight``, one more attempt. Returns the
         attempt's row id."""
         now = time.time()
-        self.db.execute(
+        (attempt,) = self.db.execute(
             """INSERT INTO requests (dataset, record_id, turn, params_hash, state, attempts, reserved_usd, created_at, updated_at)
                VALUES (?, ?, ?, ?, 'in_flight', 1, ?, ?, ?)
                ON CONFLICT DO UPDATE SET state='in_flight', attempts=attempts+1, reserved_usd=excluded.reserved_usd,
-                                         updated_at=excluded.updated_at""",
+                                         updated_at=excluded.updated_at
+               RETURNING attempts""",
             (*key.tuple(), reserved_usd, now, now),
-        )
-        attempt = self.db.execute("SELECT attempts FROM requests WHERE dataset=? AND record_id=? AND turn=? AND params_hash=?",
-                                  key.tuple()).fetchone()[0]  # fmt: skip
+        ).fetchone()
         cursor = self.db.execute(
             """INSERT INTO attempts (dataset, record_id, turn, params_hash, attempt, run_id, started_at, reserved_usd)
                VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
@@ -179,8 +178,9 @@ class Ledger:
         )
         return int(cursor.lastrowid or 0)
 
-    def op_generation_id(self, attempt_id: int, generation_id: str) -> None:
-        self.db.execute("UPDATE attempts SET generation_id=? WHERE id=?", (generation_id, attempt_id))
+    def op_generation_ids(self, notes: list[tuple[int, str]]) -> None:
+        """(attempt id, generation id) pairs learned from response headers."""
+        self.db.executemany("UPDATE attempts SET generation_id=? WHERE id=?", [(g, a) for a, g in notes])
 
     def op_finish(
         self,
@@ -226,10 +226,12 @@ class Ledger:
              orjson.dumps(reply).decode() if reply is not None else None, error, now, *key.tuple()),
         )  # fmt: skip
 
-    def op_record(self, dataset: str, record_id: str, params_hash: str, line: str, line_sha256: str) -> None:
-        self.db.execute(
+    def op_records(self, dataset: str, params_hash: str, lines: list[tuple[str, str, str]]) -> None:
+        """Mark records written: (record id, line, line sha256) each."""
+        now = time.time()
+        self.db.executemany(
             "INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?, ?)",
-            (dataset, record_id, params_hash, line_sha256, line, time.time()),
+            [(dataset, record_id, params_hash, sha, line, now) for record_id, line, sha in lines],
         )
 
     # -- reads and recovery ---------------------------------------------------------------
@@ -316,12 +318,16 @@ class Ledger:
         )
         return {r: float(c) for r, c in rows}
 
-    def record_costs_for(self, dataset: str, record_id: str, params_hash: str) -> float:
-        row = self.db.execute(
-            "SELECT COALESCE(SUM(cost_usd), 0) FROM attempts WHERE dataset=? AND record_id=? AND params_hash=?",
-            (dataset, record_id, params_hash),
-        ).fetchone()
-        return float(row[0])
+    def unwritten_record_costs(self, dataset: str, params_hash: str) -> dict[str, float]:
+        """Settled spend so far of records that have attempts but are not written yet (a
+        resumed run adds its own attempts' costs to these)."""
+        rows = self.db.execute(
+            """SELECT record_id, SUM(cost_usd) FROM attempts WHERE dataset=? AND params_hash=? AND record_id NOT IN
+                      (SELECT record_id FROM records WHERE dataset=? AND params_hash=?)
+               GROUP BY record_id""",
+            (dataset, params_hash, dataset, params_hash),
+        )
+        return {r: float(c) for r, c in rows if c}
 
     def state_counts(self, dataset: str) -> dict[str, int]:
         return {
@@ -332,12 +338,17 @@ class Ledger:
 
 class LedgerWriter:
     """Group commit: operations queued from the event loop run in one transaction per
-    ``interval_s``; ``await writer.write(op)`` returns once ``op`` is committed."""
+    ``interval_s``; ``await writer.write(op)`` returns once ``op`` is committed.
+
+    Transactions run on the event loop's thread: a worker thread was measured slower (GIL
+    hand-offs cost more than the SQLite time they overlap), and so was committing in the
+    turn of the first caller after the interval instead of the writer task's own."""
 
     def __init__(self, ledger: Ledger, *, interval_s: float = 0.005) -> None:
         self.ledger = ledger
         self.interval_s = interval_s
         self._pending: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        self._generation_ids: list[tuple[int, str]] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -359,22 +370,30 @@ class LedgerWriter:
     async def write(self, op: Callable[[], Any]) -> Any:
         return await self.submit(op)
 
+    def note_generation_id(self, attempt_id: int, generation_id: str) -> None:
+        """Save an attempt's generation id with the next commit (nobody waits for it)."""
+        self._generation_ids.append((attempt_id, generation_id))
+        self._wakeup.set()
+
     async def _run(self) -> None:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
             if self.interval_s and not self._closed:
                 await asyncio.sleep(self.interval_s)
-            batch, self._pending = self._pending, []
-            if batch:
-                self._commit(batch)
+            if self._pending or self._generation_ids:
+                self._commit()
             if self._closed and not self._pending:
                 return
 
-    def _commit(self, batch: list[tuple[Callable[[], Any], asyncio.Future[Any]]]) -> None:
-        results: list[Any] = []
+    def _commit(self) -> None:
+        """Everything queued, in one transaction; then resolve the callers' futures."""
+        batch, self._pending = self._pending, []
+        notes, self._generation_ids = self._generation_ids, []
         try:
             with self.ledger.transaction():
+                if notes:
+                    self.ledger.op_generation_ids(notes)
                 results = [op() for op, _ in batch]
         except BaseException as exc:
             for _, future in batch:
@@ -392,6 +411,5 @@ class LedgerWriter:
         self._wakeup.set()
         if self._task is not None:
             await self._task
-        if self._pending:
-            self._commit(self._pending)
-            self._pending = []
+        if self._pending or self._generation_ids:
+            self._commit()

@@ -1,0 +1,168 @@
+"""The generation engine's parts, in-process: the record sink's ordering against the
+ledger, write failures, the collector settings, and a record's cost across runs (real
+SQLite in tmp_path; an in-process chat client in place of HTTP, which the stage tests
+cover against the sandbox)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quanthunt.gateway import ChatReply, Routing, Usage
+from quanthunt.generation import Eligible, Engine, Job, RecordSink, Retry, Sampling, quiet_collector
+from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
+from quanthunt.prompts import PromptRecord, Turn
+
+HASH = "p" * 64
+PROVIDER = Eligible("Moonshot AI", "moonshotai/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)
+
+
+def job(concurrency: int = 4) -> Job:
+    return Job(dataset="chat", model="m", sampling=Sampling(0.7, 1.0, 16, 0), providers=(PROVIDER,),
+               routing=Routing.pinned(PROVIDER.tag), params_hash=HASH, run_id="run", max_usd=10.0,
+               max_output_tokens=None, concurrency=concurrency, retry=Retry(2, 0.0, 0.0), verification_run_id="v")  # fmt: skip
+
+
+class FixedCostChat:
+    """Answers every request at once, served by ``provider``, costing ``cost``."""
+
+    def __init__(self, cost: float, provider: str = PROVIDER.name) -> None:
+        self.cost, self.provider, self.calls = cost, provider, 0
+
+    async def chat(self, body: Mapping[str, Any], *, on_headers: Any = None) -> ChatReply:
+        self.calls += 1
+        if on_headers is not None:
+            on_headers(f"gen-{self.calls}")
+        usage = Usage(prompt_tokens=5, completion_tokens=3, cost=self.cost)
+        name = f"gen-{self.calls}"
+        return ChatReply(id=name, generation_id=name, provider=self.provider, model="m", content=f"answer {self.calls}",
+                         reasoning=None, finish_reason="stop", logprobs=None, usage=usage)  # fmt: skip
+
+
+def records(*ids: str) -> list[PromptRecord]:
+    return [PromptRecord(i, (Turn("user", f"question {i}"),)) for i in ids]
+
+
+def run_engine(tmp_path: Path, chat: FixedCostChat, prompts: list[PromptRecord], ledger: Ledger) -> tuple[Engine, Path]:
+    output = tmp_path / "out.jsonl"
+
+    async def scenario() -> Engine:
+        writer = LedgerWriter(ledger, interval_s=0.001)
+        writer.start()
+        sink = RecordSink(output, ledger, writer, "chat", HASH, interval_s=0.001)
+        sink.start()
+        engine = Engine(job(), chat, ledger, writer, sink, done_turns=ledger.done_turns("chat", HASH))
+        try:
+            await engine.run(prompts)
+        finally:
+            await sink.close()
+            await writer.close()
+        return engine
+
+    return asyncio.run(scenario()), output
+
+
+def test_a_line_waits_for_the_ledger_write_of_its_turns(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    output = tmp_path / "out.jsonl"
+
+    async def scenario() -> tuple[str, str, bool]:
+        writer = LedgerWriter(ledger, interval_s=0.001)
+        writer.start()
+        sink = RecordSink(output, ledger, writer, "chat", HASH, interval_s=0.001)
+        sink.start()
+        turn_committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        written = sink.add("r1", '{"id": "r1"}', after=[turn_committed])
+        await asyncio.sleep(0.05)
+        before = output.read_text()
+        turn_committed.set_result(None)
+        await written
+        after = output.read_text()
+        await sink.close()
+        await writer.close()
+        return before, after, written.done()
+
+    before, after, done = asyncio.run(scenario())
+    assert before == ""
+    assert after == '{"id": "r1"}\n'
+    assert done
+    assert set(ledger.done_records("chat", HASH)) == {"r1"}
+
+
+def test_a_failed_ledger_write_keeps_the_line_out_and_fails_later_records_too(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    output = tmp_path / "out.jsonl"
+
+    async def scenario() -> tuple[BaseException | None, BaseException | None]:
+        writer = LedgerWriter(ledger, interval_s=0.001)
+        writer.start()
+        sink = RecordSink(output, ledger, writer, "chat", HASH, interval_s=0.001)
+        sink.start()
+        failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        failed.set_exception(OSError("disk full"))
+        first = sink.add("r1", '{"id": "r1"}', after=[failed])
+        await asyncio.gather(first, return_exceptions=True)
+        second = sink.add("r2", '{"id": "r2"}')
+        await asyncio.gather(second, return_exceptions=True)
+        await sink.close()
+        await writer.close()
+        return first.exception(), second.exception()
+
+    first, second = asyncio.run(scenario())
+    assert isinstance(first, OSError)
+    assert second is first
+    assert output.read_text() == ""
+    assert ledger.done_records("chat", HASH) == {}
+
+
+def test_engine_stops_and_raises_when_the_output_cannot_be_written(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    output = tmp_path / "out.jsonl"
+
+    async def scenario() -> Engine:
+        writer = LedgerWriter(ledger, interval_s=0.001)
+        writer.start()
+        sink = RecordSink(output, ledger, writer, "chat", HASH, interval_s=0.001)
+        sink.start()
+        sink._fh.close()  # every write now fails, as on a vanished disk
+        engine = Engine(job(concurrency=1), FixedCostChat(0.01), ledger, writer, sink, done_turns={})
+        with pytest.raises(ValueError, match="closed file"):
+            await engine.run(records(*(f"r{i}" for i in range(20))))
+        await writer.close()
+        return engine
+
+    engine = asyncio.run(scenario())
+    assert engine.progress.records_done == 0
+    assert engine.progress.stop_reason is not None
+    assert "out.jsonl failed" in engine.progress.stop_reason
+    assert engine.progress.requests_ok < 20  # it stopped dispatching
+
+
+def test_a_records_cost_counts_attempts_of_earlier_runs(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    with ledger.transaction():  # an earlier run paid for an attempt of r1 whose reply was lost
+        attempt = ledger.op_start(RequestKey("chat", "r1", 0, HASH), run_id="earlier", reserved_usd=0.1)
+        ledger.op_finish(RequestKey("chat", "r1", 0, HASH), attempt, state="pending", outcome="failed_billed", cost_usd=0.04)
+    engine, output = run_engine(tmp_path, FixedCostChat(0.01), records("r1", "r2"), ledger)
+    costs = {r["id"]: r["provenance"]["usage"]["cost_usd"] for r in map(json.loads, output.read_text().splitlines())}
+    assert costs == pytest.approx({"r1": 0.05, "r2": 0.01})
+    assert costs == pytest.approx(ledger.record_costs("chat", HASH))
+    assert engine.progress.records_done == 2
+    generation_ids = {g for (g,) in ledger.db.execute("SELECT generation_id FROM attempts WHERE run_id='run'")}
+    assert generation_ids == {"gen-1", "gen-2"}
+
+
+def test_quiet_collector_restores_the_collector_afterwards() -> None:
+    before = gc.get_threshold()
+    frozen = gc.get_freeze_count()
+    with quiet_collector(young_threshold=12_345):
+        assert gc.get_threshold()[0] == 12_345
+        assert gc.get_freeze_count() > frozen
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
