@@ -6,9 +6,10 @@ cover against the sandbox)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +50,27 @@ def records(*ids: str) -> list[PromptRecord]:
     return [PromptRecord(i, (Turn("user", f"question {i}"),)) for i in ids]
 
 
+@contextlib.asynccontextmanager
+async def writing(ledger: Ledger, output: Path) -> AsyncIterator[tuple[LedgerWriter, RecordSink]]:
+    """A started ledger writer and record sink, closed (everything queued written) on exit."""
+    writer = LedgerWriter(ledger, interval_s=0.001)
+    writer.start()
+    sink = RecordSink(output, ledger, writer, "chat", HASH, interval_s=0.001)
+    sink.start()
+    try:
+        yield writer, sink
+    finally:
+        await sink.close()
+        await writer.close()
+
+
 def run_engine(tmp_path: Path, chat: FixedCostChat, prompts: list[PromptRecord], ledger: Ledger) -> tuple[Engine, Path]:
     output = tmp_path / "out.jsonl"
 
     async def scenario() -> Engine:
-        writer = LedgerWriter(ledger, interval_s=0.001)
-        writer.start()
-        sink = RecordSink(output, ledger, writer, "chat", HASH, interval_s=0.001)
-        sink.start()
-        engine = Engine(job(), chat, ledger, writer, sink, done_turns=ledger.done_turns("chat", HASH))
-        try:
+        async with writing(ledger, output) as (writer, sink):
+            engine = Engine(job(), chat, ledger, writer, sink, done_turns=ledger.done_turns("chat", HASH))
             await engine.run(prompts)
-        finally:
-            await sink.close()
-            await writer.close()
         return engine
 
     return asyncio.run(scenario()), output
@@ -73,19 +81,14 @@ def test_a_line_waits_for_the_ledger_write_of_its_turns(tmp_path: Path) -> None:
     output = tmp_path / "out.jsonl"
 
     async def scenario() -> tuple[str, str, bool]:
-        writer = LedgerWriter(ledger, interval_s=0.001)
-        writer.start()
-        sink = RecordSink(output, ledger, writer, "chat", HASH, interval_s=0.001)
-        sink.start()
-        turn_committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        written = sink.add("r1", '{"id": "r1"}', after=[turn_committed])
-        await asyncio.sleep(0.05)
-        before = output.read_text()
-        turn_committed.set_result(None)
-        await written
-        after = output.read_text()
-        await sink.close()
-        await writer.close()
+        async with writing(ledger, output) as (_, sink):
+            turn_committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            written = sink.add("r1", '{"id": "r1"}', after=[turn_committed])
+            await asyncio.sleep(0.05)
+            before = output.read_text()
+            turn_committed.set_result(None)
+            await written
+            after = output.read_text()
         return before, after, written.done()
 
     before, after, done = asyncio.run(scenario())
@@ -100,18 +103,13 @@ def test_a_failed_ledger_write_keeps_the_line_out_and_fails_later_records_too(tm
     output = tmp_path / "out.jsonl"
 
     async def scenario() -> tuple[BaseException | None, BaseException | None]:
-        writer = LedgerWriter(ledger, interval_s=0.001)
-        writer.start()
-        sink = RecordSink(output, ledger, writer, "chat", HASH, interval_s=0.001)
-        sink.start()
-        failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        failed.set_exception(OSError("disk full"))
-        first = sink.add("r1", '{"id": "r1"}', after=[failed])
-        await asyncio.gather(first, return_exceptions=True)
-        second = sink.add("r2", '{"id": "r2"}')
-        await asyncio.gather(second, return_exceptions=True)
-        await sink.close()
-        await writer.close()
+        async with writing(ledger, output) as (_, sink):
+            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            failed.set_exception(OSError("disk full"))
+            first = sink.add("r1", '{"id": "r1"}', after=[failed])
+            await asyncio.gather(first, return_exceptions=True)
+            second = sink.add("r2", '{"id": "r2"}')
+            await asyncio.gather(second, return_exceptions=True)
         return first.exception(), second.exception()
 
     first, second = asyncio.run(scenario())
@@ -126,15 +124,11 @@ def test_engine_stops_and_raises_when_the_output_cannot_be_written(tmp_path: Pat
     output = tmp_path / "out.jsonl"
 
     async def scenario() -> Engine:
-        writer = LedgerWriter(ledger, interval_s=0.001)
-        writer.start()
-        sink = RecordSink(output, ledger, writer, "chat", HASH, interval_s=0.001)
-        sink.start()
-        sink._fh.close()  # every write now fails, as on a vanished disk
-        engine = Engine(job(concurrency=1), FixedCostChat(0.01), ledger, writer, sink, done_turns={})
-        with pytest.raises(ValueError, match="closed file"):
-            await engine.run(records(*(f"r{i}" for i in range(20))))
-        await writer.close()
+        async with writing(ledger, output) as (writer, sink):
+            sink._fh.close()  # every write now fails, as on a vanished disk
+            engine = Engine(job(concurrency=1), FixedCostChat(0.01), ledger, writer, sink, done_turns={})
+            with pytest.raises(ValueError, match="closed file"):
+                await engine.run(records(*(f"r{i}" for i in range(20))))
         return engine
 
     engine = asyncio.run(scenario())
