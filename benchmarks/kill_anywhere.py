@@ -19,6 +19,8 @@ import time
 
 from pipeline_bed import make_bed
 
+from quanthunt.errors import EXIT_OUT_OF_BUDGET
+
 SPEND = "COALESCE(SUM(cost_usd), 0), COALESCE(SUM(CASE WHEN outcome='unknown' OR outcome IS NULL THEN reserved_usd END), 0)"
 
 
@@ -83,7 +85,11 @@ def main() -> None:
         if len(set(ids)) >= args.records:
             dataset_index += 1
             bed.add_dataset(f"d{dataset_index}", args.records)
-    final = bed.run("generate", f"d{dataset_index}")
+    # Resume the last dataset to the end: a run that hits its cap exits 75, and is rerun as a user would.
+    for _ in range(args.records // 500 + 2):
+        final = bed.run("generate", f"d{dataset_index}")
+        if final.returncode != EXIT_OUT_OF_BUDGET:
+            break
     complete = len(set(bed.records(f"d{dataset_index}"))) == args.records and final.returncode == 0
     print(
         f"\n{args.trials} kill trials in {time.perf_counter() - started:.0f} s, {args.in_flight} requests in flight, "
