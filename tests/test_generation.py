@@ -152,6 +152,25 @@ def test_a_records_cost_counts_attempts_of_earlier_runs(tmp_path: Path) -> None:
     assert generation_ids == {"gen-1", "gen-2"}
 
 
+def test_a_resumed_record_asks_only_for_the_turns_an_earlier_run_did_not_finish(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    first = RequestKey("chat", "m1", 0, HASH)
+    earlier = {"content": "earlier answer", "reasoning": None, "provider": PROVIDER.name, "generation_id": "gen-old",
+               "finish_reason": "stop", "prompt_tokens": 4, "completion_tokens": 2, "cost_usd": 0.02, "attempts": 1}  # fmt: skip
+    with ledger.transaction():
+        attempt = ledger.op_start(first, run_id="earlier", reserved_usd=0.1)
+        ledger.op_finish(first, attempt, state="done", outcome="ok", cost_usd=0.02, reply=earlier)
+    conversation = (Turn("user", "part one?"), Turn("assistant", "old"), Turn("user", "part two?"))
+    chat = FixedCostChat(0.01)
+    engine, output = run_engine(tmp_path, chat, [PromptRecord("m1", conversation)], ledger)
+    (line,) = map(json.loads, output.read_text().splitlines())
+    assert chat.calls == 1
+    assert [t["content"] for t in line["conversations"] if t["role"] == "assistant"] == ["earlier answer", "answer 1"]
+    assert line["provenance"]["usage"]["cost_usd"] == pytest.approx(0.03)
+    assert line["provenance"]["generation_ids"] == ["gen-old", "gen-1"]
+    assert engine.done_turns == {}
+
+
 def test_quiet_collector_restores_the_collector_afterwards() -> None:
     before = gc.get_threshold()
     frozen = gc.get_freeze_count()

@@ -75,3 +75,13 @@ def test_a_failing_operation_fails_its_whole_group_and_commits_none_of_it(tmp_pa
     assert "no_such_table" in str(bad_error)
     assert good_error is bad_error
     assert ledger.db.execute("SELECT COUNT(*) FROM attempts").fetchone() == (0,)
+
+
+def test_done_turns_are_those_of_records_not_written_yet(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    with ledger.transaction():
+        for record in ("written", "half"):
+            attempt = ledger.op_start(key(record), run_id="r", reserved_usd=1.0)
+            ledger.op_finish(key(record), attempt, state="done", outcome="ok", cost_usd=0.1, reply={"content": record})
+        ledger.op_records("chat", HASH, [("written", "{}", "0" * 64)])
+    assert ledger.done_turns("chat", HASH) == {("half", 0): {"content": "half"}}

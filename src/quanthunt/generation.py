@@ -413,6 +413,14 @@ class Engine:
         return self.progress
 
     async def _record(self, record: PromptRecord) -> None:
+        try:
+            await self._regenerate(record)
+        finally:  # written, failed or skipped: nothing about it needs to stay in memory
+            self._record_costs.pop(record.id, None)
+            for turn in range(len(record.conversations)):
+                self.done_turns.pop((record.id, turn), None)
+
+    async def _regenerate(self, record: PromptRecord) -> None:
         segments = skeleton(record)
         replies: list[dict[str, Any]] = []
         committing: list[asyncio.Future[Any]] = []
@@ -465,7 +473,7 @@ class Engine:
             conversation.append(turn)
         providers = sorted({r["provider"] for r in replies})
         first = self._allowed[replies[0]["provider"]]
-        costs = self._record_costs.pop(record.id, 0.0)
+        costs = self._record_costs.get(record.id, 0.0)
         provenance = {
             "provider": providers[0] if len(providers) == 1 else ",".join(providers),
             "endpoint_tag": first.tag if len(providers) == 1 else ",".join(self._allowed[p].tag for p in providers),

@@ -237,10 +237,13 @@ class Ledger:
     # -- reads and recovery ---------------------------------------------------------------
 
     def done_turns(self, dataset: str, params_hash: str) -> dict[tuple[str, int], dict[str, Any]]:
-        """Replies of every finished turn, by (record id, turn)."""
+        """Replies of the finished turns of records not written yet, by (record id, turn):
+        what a resumed run reuses instead of asking again (written records are skipped
+        whole, so their replies stay on disk)."""
         rows = self.db.execute(
-            "SELECT record_id, turn, reply FROM requests WHERE dataset=? AND params_hash=? AND state='done'",
-            (dataset, params_hash),
+            """SELECT record_id, turn, reply FROM requests WHERE dataset=? AND params_hash=? AND state='done'
+                      AND record_id NOT IN (SELECT record_id FROM records WHERE dataset=? AND params_hash=?)""",
+            (dataset, params_hash, dataset, params_hash),
         )
         return {(r, t): json.loads(reply) for r, t, reply in rows if reply}
 
