@@ -270,9 +270,6 @@ class RecordSink:
         self._wakeup.set()
         return future
 
-    async def append(self, record_id: str, line: str) -> None:
-        await self.add(record_id, line)
-
     async def drain(self) -> None:
         """Wait until every record handed over is written (or failed)."""
         if self._outstanding:

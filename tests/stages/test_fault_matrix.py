@@ -123,7 +123,7 @@ def test_generate_when_the_sandbox_dies_and_comes_back(generation_bed: Callable[
     from fixtures.project import BIN
 
     bed = generation_bed(
-        records=80,
+        records=240,  # ~12 s of generation at 8 in flight: the kill lands mid-run
         latency_ms=400,
         params={"generate.concurrency": 8, "generate.retry.max_attempts": 3, "generate.retry.max_delay_s": 0.2},
     )
@@ -135,19 +135,21 @@ def test_generate_when_the_sandbox_dies_and_comes_back(generation_bed: Callable[
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(8)
+    deadline = time.monotonic() + 60
+    while len(bed.records()) < 8 and time.monotonic() < deadline:  # kill once generation is under way
+        time.sleep(0.2)
     port = int(bed.sandbox.url.rsplit(":", 1)[1])
     bed.sandbox.kill()
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr
     assert "failed this run" in stderr.strip().splitlines()[-1] and "rerun" in stderr
     partial = [r["id"] for r in bed.records()]
-    assert len(partial) == len(set(partial)) < 80
+    assert len(partial) == len(set(partial)) < 240
     back = SandboxProcess(mode="latency", roster=bed.sandbox.roster, port=port).start()
     try:
         done = bed.generate()
         assert done.returncode == 0, done.stderr
         ids = [r["id"] for r in bed.records()]
-        assert len(ids) == len(set(ids)) == 80
+        assert len(ids) == len(set(ids)) == 240
     finally:
         back.stop()
