@@ -146,6 +146,7 @@ async def run(
         max_usd=g.max_usd_per_run,
         max_output_tokens=g.max_output_tokens,
         concurrency=g.concurrency,
+        ramp_up_s=g.ramp_up_s,
         retry=Retry(g.retry.max_attempts, g.retry.base_delay_s, g.retry.max_delay_s),
         verification_run_id=verification_run_id,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import json
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -24,10 +25,11 @@ HASH = "p" * 64
 PROVIDER = Eligible("Moonshot AI", "moonshotai/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)
 
 
-def job(concurrency: int = 4) -> Job:
+def job(concurrency: int = 4, *, ramp_up_s: float = 0.0, max_usd: float = 10.0) -> Job:
     return Job(dataset="chat", model="m", sampling=Sampling(0.7, 1.0, 16, 0), providers=(PROVIDER,),
-               routing=Routing.pinned(PROVIDER.tag), params_hash=HASH, run_id="run", max_usd=10.0,
-               max_output_tokens=None, concurrency=concurrency, retry=Retry(2, 0.0, 0.0), verification_run_id="v")  # fmt: skip
+               routing=Routing.pinned(PROVIDER.tag), params_hash=HASH, run_id="run", max_usd=max_usd,
+               max_output_tokens=None, concurrency=concurrency, retry=Retry(2, 0.0, 0.0), verification_run_id="v",
+               ramp_up_s=ramp_up_s)  # fmt: skip
 
 
 class FixedCostChat:
@@ -44,6 +46,19 @@ class FixedCostChat:
         name = f"gen-{self.calls}"
         return ChatReply(id=name, generation_id=name, provider=self.provider, model="m", content=f"answer {self.calls}",
                          reasoning=None, finish_reason="stop", logprobs=None, usage=usage)  # fmt: skip
+
+
+class SlowChat(FixedCostChat):
+    """Holds every request ``hold_s`` and notes when each was sent (event-loop time)."""
+
+    def __init__(self, hold_s: float) -> None:
+        super().__init__(0.0001)
+        self.hold_s, self.sent_at = hold_s, list[float]()
+
+    async def chat(self, body: Mapping[str, Any], *, on_headers: Any = None) -> ChatReply:
+        self.sent_at.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(self.hold_s)
+        return await super().chat(body, on_headers=on_headers)
 
 
 def records(*ids: str) -> list[PromptRecord]:
@@ -179,3 +194,35 @@ def test_quiet_collector_restores_the_collector_afterwards() -> None:
         assert gc.get_freeze_count() > frozen
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() == 0
+
+
+def engine_run(tmp_path: Path, the_job: Job, chat: FixedCostChat, prompts: list[PromptRecord]) -> tuple[Engine, float]:
+    """Run the engine once; returns it and the run's duration in seconds."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+
+    async def scenario() -> tuple[Engine, float]:
+        async with writing(ledger, tmp_path / "out.jsonl") as (writer, sink):
+            engine = Engine(the_job, chat, ledger, writer, sink, done_turns={})
+            start = asyncio.get_running_loop().time()
+            await engine.run(prompts)
+            return engine, asyncio.get_running_loop().time() - start
+
+    return asyncio.run(scenario())
+
+
+def test_the_ramp_spreads_the_first_wave_over_ramp_up_s(tmp_path: Path) -> None:
+    chat = SlowChat(hold_s=0.5)
+    engine, _ = engine_run(tmp_path, job(concurrency=4, ramp_up_s=0.4), chat, records("a", "b", "c", "d"))
+    assert engine.progress.records_done == 4
+    first_wave = sorted(chat.sent_at)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(first_wave)]
+    assert min(gaps) >= 0.09  # worker k starts k x 0.1 s in; without the ramp all four go at once
+
+
+def test_a_stop_during_the_ramp_ends_the_run_without_waiting_it_out(tmp_path: Path) -> None:
+    # A cap below one request's worst case: the first worker stops the run at once; the
+    # other workers would otherwise sleep through up to 45 s of a 60 s ramp.
+    engine, took_s = engine_run(tmp_path, job(concurrency=4, ramp_up_s=60, max_usd=1e-9), FixedCostChat(0.01),
+                                records("a", "b", "c", "d"))  # fmt: skip
+    assert engine.progress.stop_reason is not None and "spending cap" in engine.progress.stop_reason
+    assert took_s < 10

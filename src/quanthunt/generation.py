@@ -125,6 +125,8 @@ class Job:
     concurrency: int
     retry: Retry
     verification_run_id: str | None
+    ramp_up_s: float = 0.0
+    """The first wave is spread over this long: worker k starts after k/concurrency of it."""
 
     @property
     def worst_prompt_rate(self) -> float:
@@ -390,13 +392,20 @@ class Engine:
             for _ in range(self.job.concurrency):
                 await queue.put(None)
 
-        async def work() -> None:
+        async def work(delay: float) -> None:
+            if delay:  # the ramp: a stop ends the wait early
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
             while (record := await queue.get()) is not None:
                 if self._stop.is_set():
                     continue
                 await self._record(record)
 
-        workers = [asyncio.ensure_future(work()) for _ in range(self.job.concurrency)]
+        # A slow start: no burst of `concurrency` new connections at the gateway, and
+        # replies that don't come back in lock-step (in bursts that queue behind each
+        # other on the event loop; measured in benchmarks/generation_throughput.py).
+        step = self.job.ramp_up_s / self.job.concurrency
+        workers = [asyncio.ensure_future(work(k * step)) for k in range(self.job.concurrency)]
         producer = asyncio.ensure_future(produce())
         try:
             with quiet_collector():

@@ -255,6 +255,8 @@ class Generate(_Section):
     """Records taken from each dataset, in file order (null: all)."""
     sampling: GenerationSampling = GenerationSampling()
     concurrency: int = Field(default=2000, ge=1, le=20000)
+    ramp_up_s: float = Field(default=1.0, ge=0, le=600)
+    """The first ``concurrency`` requests are spread over this many seconds (0: all at once)."""
     max_usd_per_run: float = Field(default=10.0, gt=0)
     """Hard cap on one run's spend, whatever the concurrency."""
     max_output_tokens: int | None = Field(default=None, ge=1)
