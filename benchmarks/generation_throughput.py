@@ -2,7 +2,8 @@
 provenance on) against the official openai SDK and raw aiohttp, side by side, against
 the latency-mode sandbox (1 s latency), each client in its own process.
 
-Usage: ``.venv/bin/python benchmarks/generation_throughput.py [--requests 20000] [--in-flight 2000] [--sdk-requests 4000]``
+Usage: ``.venv/bin/python benchmarks/generation_throughput.py [--requests 20000] [--in-flight 2000] [--sdk-requests 4000]
+[--clients quanthunt,raw-aiohttp,openai-sdk] [--ramp-up-s S]``
 
 Prints per client: achieved requests/s over the whole run and in steady state (the
 middle half of the completions, leaving out the first wave's connection set-up and the
@@ -10,7 +11,9 @@ last wave's tail), each against the Little's-law bound (in flight ÷ latency); c
 ms per request (the client's modules are imported before the clock starts; the engine's
 ledger, sink and record-building are inside it); peak RSS; p50/p99 latency; and the
 sandbox's own CPU per request over the same interval. The openai SDK runs fewer requests
-(it costs ~10-20 ms of CPU each); its figures are per request all the same.
+(it costs ~10-20 ms of CPU each); its figures are per request all the same. quanthunt
+runs with its params' default ``generate.ramp_up_s`` (its first wave spread over that
+long) unless ``--ramp-up-s`` says otherwise; the peers send their first wave at once.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import yaml
 
+from quanthunt.params import Generate
 from quanthunt.sandbox.server import SandboxProcess
 
 MODEL = "huggingfacetb/smollm2-135m-instruct"
@@ -100,7 +104,7 @@ async def openai_sdk(url: str, total: int, in_flight: int) -> Timings:
     return latencies, finished
 
 
-async def quanthunt_engine(url: str, total: int, in_flight: int) -> Timings:
+async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: float = Generate().ramp_up_s) -> Timings:
     from quanthunt.gateway import AiohttpChat, ApiKey, Routing
     from quanthunt.generation import Eligible, Engine, Job, RecordSink, Retry, Sampling
     from quanthunt.ledger import Ledger, LedgerWriter
@@ -116,7 +120,7 @@ async def quanthunt_engine(url: str, total: int, in_flight: int) -> Timings:
     job = Job(dataset="bench", model=MODEL, sampling=Sampling(0.7, 1.0, 16, 0), providers=(provider,),
               routing=Routing(only=(provider.tag,), allow_fallbacks=False, require_parameters=True), params_hash="p" * 64,
               run_id="bench", max_usd=1e6, max_output_tokens=None, concurrency=in_flight, retry=Retry(6, 0.5, 30),
-              verification_run_id="bench")  # fmt: skip
+              verification_run_id="bench", ramp_up_s=ramp_up_s)  # fmt: skip
     records = (PromptRecord(f"r{i}", (Turn("user", f"hello number {i}"),)) for i in range(total))
     async with AiohttpChat(url, api_key=ApiKey(KEY)) as chat:
         engine = Engine(job, chat, ledger, writer, sink, done_turns={})
@@ -137,13 +141,14 @@ MODULES = {
 }
 
 
-def child(name: str, url: str, total: int, in_flight: int, out: Path) -> None:
+def child(name: str, url: str, total: int, in_flight: int, out: Path, ramp_up_s: float) -> None:
     import uvloop
 
     for module in MODULES[name]:
         importlib.import_module(module)
     start, cpu0 = time.perf_counter(), time.process_time()
-    latencies, finished = uvloop.run(CLIENTS[name](url, total, in_flight))
+    run = CLIENTS[name](url, total, in_flight, ramp_up_s) if name == "quanthunt" else CLIENTS[name](url, total, in_flight)
+    latencies, finished = uvloop.run(run)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     figures = {"wall": wall, "cpu": cpu, "rss_mb": rss_mb, "latencies": latencies, "steady_rate": steady_rate(finished)}
@@ -156,12 +161,15 @@ def main() -> None:
     parser.add_argument("--sdk-requests", type=int, default=4_000)
     parser.add_argument("--in-flight", type=int, default=2000)
     parser.add_argument("--latency-ms", type=float, default=1000)
+    parser.add_argument("--clients", default="quanthunt,raw-aiohttp,openai-sdk", help="which clients, in order")
+    parser.add_argument("--ramp-up-s", type=float, default=Generate().ramp_up_s,
+                        help="quanthunt's generate.ramp_up_s (default: the params default)")  # fmt: skip
     parser.add_argument("--client", choices=sorted(CLIENTS))
     parser.add_argument("--url")
     parser.add_argument("--out", type=Path, help="where a client writes its figures (JSON)")
     args = parser.parse_args()
     if args.client:
-        child(args.client, args.url, args.requests, args.in_flight, args.out)
+        child(args.client, args.url, args.requests, args.in_flight, args.out, args.ramp_up_s)
         return
     roster = {"providers": [{"name": "Moonshot AI", "slug": "moonshotai", "tag": "moonshotai/int4", "quantization": "int4",
                              "precision": "int4-native", "pricing": {"prompt": "0.0000006", "completion": "0.0000025"},
@@ -169,7 +177,7 @@ def main() -> None:
               "credits": {"default_usd": 1e6}}  # fmt: skip
     bound = args.in_flight / (args.latency_ms / 1000)
     print(f"latency-mode sandbox, {args.latency_ms:.0f} ms per request, {args.in_flight} in flight: "
-          f"Little's-law bound {bound:.0f} req/s")  # fmt: skip
+          f"Little's-law bound {bound:.0f} req/s; quanthunt's first wave ramps up over {args.ramp_up_s:g} s")  # fmt: skip
     columns = [("client", 13), ("requests", 9), ("req/s", 7), ("of bound", 9), ("steady req/s", 13), ("of bound", 9),
                ("client CPU ms/req", 18), ("peak RSS MB", 12), ("p50 ms", 7), ("p99 ms", 7),
                ("sandbox CPU ms/req", 19)]  # fmt: skip
@@ -178,13 +186,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "roster.yaml"
         path.write_text(yaml.safe_dump(roster))
-        for name in ("quanthunt", "raw-aiohttp", "openai-sdk"):
+        for name in args.clients.split(","):
+            if name not in CLIENTS:
+                parser.error(f"--clients: unknown client {name!r} (choose from {', '.join(sorted(CLIENTS))})")
             total = args.sdk_requests if name == "openai-sdk" else args.requests
             with SandboxProcess(mode="latency", roster=path) as sandbox:
                 assert sandbox.pid is not None
                 server0 = cpu_seconds(sandbox.pid)
                 command = [sys.executable, __file__, "--client", name, "--url", sandbox.api_url, "--requests", str(total),
-                           "--in-flight", str(args.in_flight), "--out", str(Path(tmp) / f"{name}.json")]  # fmt: skip
+                           "--in-flight", str(args.in_flight), "--out", str(Path(tmp) / f"{name}.json"),
+                           "--ramp-up-s", str(args.ramp_up_s)]  # fmt: skip
                 subprocess.run(command, check=True)
                 server = cpu_seconds(sandbox.pid) - server0
             result = json.loads((Path(tmp) / f"{name}.json").read_text())
