@@ -37,7 +37,7 @@ from quanthunt.ledger import Ledger, LedgerWriter
 from quanthunt.locking import exclusive
 from quanthunt.outputs import write_atomic
 from quanthunt.params import Params, load_params
-from quanthunt.prompts import iter_prompts
+from quanthunt.prompts import count_prompts, iter_prompts
 from quanthunt.survey import read_providers
 from quanthunt.terminal import stage_console
 from quanthunt.tracking import repo_root, stage_run
@@ -79,21 +79,13 @@ def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...]
 
 
 def limited(path: Path, max_records: int | None, skip: frozenset[str]):  # type: ignore[no-untyped-def]
-    """Stream the dataset's first ``max_records`` records that are not finished yet."""
-    for index, record in enumerate(iter_prompts(path)):
+    """Stream the dataset's first ``max_records`` records that are not finished yet (the
+    file was checked whole by ``count_prompts`` before the run, so ids are not held)."""
+    for index, record in enumerate(iter_prompts(path, unique_ids=False)):
         if max_records is not None and index >= max_records:
             return
         if record.id not in skip:
             yield record
-
-
-def count_records(path: Path, max_records: int | None) -> int:
-    total = 0
-    for _ in iter_prompts(path):
-        total += 1
-        if max_records is not None and total >= max_records:
-            break
-    return total
 
 
 def status_table(job: Job, p: Progress, spent: float) -> Table:
@@ -167,7 +159,7 @@ async def run(
             f"[yellow]warning: {len(repair.edited)} records in {output} differ from the ledger (e.g. {example}); "
             "validation will name them[/]"
         )
-    total = count_records(prompts, g.max_records)
+    total = count_prompts(prompts, limit=g.max_records)  # every record checked, before any request
     writer = LedgerWriter(ledger)
     writer.start()
     sink = RecordSink(output, ledger, writer, dataset, params_hash)

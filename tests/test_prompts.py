@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from quanthunt.prompts import (
     RecordError,
     Turn,
     content_id,
+    count_prompts,
     iter_jsonl,
     iter_prompts,
     load_prompts,
@@ -236,6 +238,46 @@ def test_bad_line_names_file_and_line(tmp_path: Path, line: str, expected: str) 
     assert expected in message, message
 
 
+@pytest.mark.parametrize(("line", "expected"), [pytest.param(line, exp, id=name) for name, line, exp in BAD_LINES])
+def test_count_prompts_refuses_what_load_prompts_refuses(tmp_path: Path, line: str, expected: str) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", OK, json.dumps(user()), "", line, OK.replace("ok", "after"))
+    with pytest.raises(ConfigError) as caught:
+        count_prompts(path)
+    assert str(caught.value) == load_error(path)  # the same message, duplicates named with both lines
+
+
+def test_count_prompts_checks_and_counts_only_up_to_the_limit(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", OK, json.dumps(user("b")), json.dumps({"id": "ok", **user("c")}))
+    assert count_prompts(path, limit=2) == 2  # the duplicate comes after the records used
+    with pytest.raises(ConfigError, match=r"p.jsonl:3: duplicate id 'ok' \(first on line 1\)"):
+        count_prompts(path)
+
+
+def test_streaming_without_the_id_check_yields_duplicates(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", OK, json.dumps({"id": "ok", **user("again")}))
+    assert [r.id for r in iter_prompts(path, unique_ids=False)] == ["ok", "ok"]
+    with pytest.raises(ConfigError, match="duplicate id"):
+        list(iter_prompts(path))
+
+
+def test_count_prompts_does_not_hold_the_ids(tmp_path: Path) -> None:
+    # 30,000 ids held in a dict (as the streaming check does) take ~4.5 MB; their hashes 0.24 MB.
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(f'{{"id": "record-{i:08d}", "messages": [{{"role": "user", "content": "q"}}]}}\n'
+                            for i in range(30_000)))  # fmt: skip
+    tracemalloc.start()
+    try:
+        assert count_prompts(path) == 30_000
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        assert sum(1 for _ in iter_prompts(path)) == 30_000
+        _, peak_checking_while_streaming = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.5e6, peak
+    assert peak_checking_while_streaming > 2.5e6  # the comparison would show nothing if this held no ids either
+
+
 @pytest.mark.parametrize(
     ("name", "content", "expected"),
     [
@@ -331,7 +373,11 @@ def test_parquet_of_normalised_records_and_extra_columns(tmp_path: Path) -> None
 def test_parquet_errors_name_the_row(tmp_path: Path, rows: list[dict[str, Any]], expected: str) -> None:
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    assert expected in load_error(path)
+    message = load_error(path)
+    assert expected in message
+    with pytest.raises(ConfigError) as caught:
+        count_prompts(path)
+    assert str(caught.value) == message
 
 
 def test_parquet_empty_and_not_parquet(tmp_path: Path) -> None:

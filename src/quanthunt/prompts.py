@@ -25,7 +25,8 @@ Bad input raises :class:`~quanthunt.errors.ConfigError` with one line that start
 Usage::
 
     records = load_prompts(Path("data/prompts/chat.jsonl"))  # .jsonl, .json (JSON Lines too) or .parquet
-    for record in iter_prompts(Path("big.parquet")): ...  # streams a large dataset instead
+    total = count_prompts(Path("big.parquet"))  # checks the whole file in 8 bytes a record...
+    for record in iter_prompts(Path("big.parquet"), unique_ids=False): ...  # ...then streams it in flat memory
     # regenerate the assistant turns (see skeleton()):
     replies: list[str] = []
     for _segment in skeleton(record):
@@ -39,10 +40,13 @@ import codecs
 import hashlib
 import itertools
 import json
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import numpy as np
 
 from quanthunt.errors import ConfigError
 
@@ -253,25 +257,45 @@ def load_prompts(path: Path) -> list[PromptRecord]:
     return list(iter_prompts(path))
 
 
-def iter_prompts(path: Path) -> Iterator[PromptRecord]:
-    """Stream the records of a prompt file, by suffix (see :func:`load_prompts`); errors come while iterating."""
+def iter_prompts(path: Path, *, unique_ids: bool = True) -> Iterator[PromptRecord]:
+    """Stream the records of a prompt file, by suffix (see :func:`load_prompts`); errors come while iterating.
+
+    ``unique_ids=False`` skips the duplicate-id check, which holds every id seen: for a
+    file :func:`count_prompts` has already checked, so memory stays flat as it streams.
+    """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:
-        return iter_jsonl(path)
+        return iter_jsonl(path, unique_ids=unique_ids)
     if suffix in PARQUET_SUFFIXES:
-        return iter_parquet(path)
+        return iter_parquet(path, unique_ids=unique_ids)
     shown = repr(suffix) if suffix else "(no suffix)"
     raise ConfigError(f"{path}: unsupported prompt file type {shown}; use .jsonl, .json (JSON Lines) or .parquet")
 
 
-def iter_jsonl(path: Path) -> Iterator[PromptRecord]:
+def count_prompts(path: Path, *, limit: int | None = None) -> int:
+    """Check the first ``limit`` records (all when None) as :func:`iter_prompts` does, ids
+    unique included, and count them; holds 8 bytes a record (a hash of each id), not the
+    ids. A duplicate is named with both its lines (or rows) by a second, exact pass."""
+    hashes = array("Q")
+    for record in itertools.islice(iter_prompts(path, unique_ids=False), limit):
+        hashes.append(int.from_bytes(hashlib.blake2b(record.id.encode(), digest_size=8).digest(), "little"))
+    ordered = np.sort(np.frombuffer(hashes, dtype=np.uint64))
+    if len(ordered) > 1 and bool((ordered[1:] == ordered[:-1]).any()):
+        for _ in itertools.islice(iter_prompts(path), limit):  # raises on the duplicate, naming both places
+            pass
+    return len(hashes)  # (ids whose hashes merely collide, 1 in 2**64 a pair, pass)
+
+
+def iter_jsonl(path: Path, *, unique_ids: bool = True) -> Iterator[PromptRecord]:
     """Stream the records of a JSON Lines file, one line at a time (a line is read only up to its size limit).
 
-    Blank lines are skipped; a UTF-8 byte order mark at the start is allowed. Ids must be unique in the file.
+    Blank lines are skipped; a UTF-8 byte order mark at the start is allowed. Ids must be unique in the file
+    (unless ``unique_ids`` is False).
     """
     path = Path(path)
     seen: dict[str, int] = {}
+    count = 0
     with _open(path) as stream:
         lineno = 0
         while raw := stream.readline(MAX_LINE_BYTES + 2):  # room for the line and its "\r\n"
@@ -305,13 +329,15 @@ def iter_jsonl(path: Path) -> Iterator[PromptRecord]:
                 record = parse_record(obj)
             except RecordError as exc:
                 raise ConfigError(f"{where}: {exc}{_array_hint(lineno, text)}") from None
-            _check_unique(record, "line", lineno, seen, where)
+            if unique_ids:
+                _check_unique(record, "line", lineno, seen, where)
+            count += 1
             yield record
-    if not seen:
+    if not count:
         raise ConfigError(f"{path}: has no prompt records")
 
 
-def iter_parquet(path: Path) -> Iterator[PromptRecord]:
+def iter_parquet(path: Path, *, unique_ids: bool = True) -> Iterator[PromptRecord]:
     """Stream the records of a Parquet file (columns ``id`` and one of :data:`CONVERSATION_KEYS`, nested lists).
 
     Rows are read in batches of a thousand; errors name the row, counted from 1. Needs pyarrow.
@@ -352,9 +378,10 @@ def iter_parquet(path: Path) -> Iterator[PromptRecord]:
                 record = parse_record(obj)
             except RecordError as exc:
                 raise ConfigError(f"{where}: {exc}") from None
-            _check_unique(record, "row", row, seen, where)
+            if unique_ids:
+                _check_unique(record, "row", row, seen, where)
             yield record
-    if not seen:
+    if not row:
         raise ConfigError(f"{path}: has no prompt records")
 
 

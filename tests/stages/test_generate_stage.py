@@ -114,6 +114,13 @@ def test_bad_inputs(generation_bed: Bed) -> None:
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(f"error: {prompts}:6: not valid JSON")
     assert not bed.output.exists() or bed.records() == []
 
+    first_id = json.loads(good.splitlines()[0])["id"]
+    prompts.write_text(good + json.dumps({"id": first_id, "messages": [{"role": "user", "content": "again"}]}) + "\n")
+    done = bed.generate()
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last == f"error: {prompts}:6: duplicate id '{first_id}' (first on line 1)", done.stderr
+    assert bed.sandbox_stats()["requests"] == 0  # the whole file is checked before the first request
+
     prompts.write_text("\n")
     done = bed.generate()
     assert done.returncode == 2 and "has no prompt records" in done.stderr
