@@ -18,11 +18,16 @@ from pipeline_bed import make_bed
 from quanthunt.sandbox.roster import FAULT_KINDS
 
 
-def rss_mb(pid: int) -> float:
+def memory_mb(pid: int) -> dict[str, float]:
+    """Resident memory in MB: all of it (VmRSS), and its anonymous (heap), file-backed
+    and shared-memory parts (the ledger's WAL index is a mapped file)."""
+    wanted = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    found = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+        name = line.split(maxsplit=1)[0] if line else ""
+        if name in wanted:
+            found[wanted[name]] = int(line.split()[1]) / 1024
+    return found
 
 
 def main() -> None:
@@ -62,15 +67,17 @@ def main() -> None:
     proc = bed.popen("generate", "soak")
     started = time.perf_counter()
     samples = []
-    print(f"{'minute':>7}{'records':>10}{'RSS MB':>9}{'open fds':>10}", flush=True)
+    print(f"{'minute':>7}{'records':>10}{'RSS MB':>9}{'anon':>7}{'file':>7}{'shmem':>7}{'open fds':>10}", flush=True)
     while time.perf_counter() - started < args.minutes * 60 and proc.poll() is None:
         time.sleep(args.sample_s)
         if proc.poll() is not None:
             break
         fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
-        row = ((time.perf_counter() - started) / 60, len(bed.records("soak")), rss_mb(proc.pid), fds)
+        memory = memory_mb(proc.pid)
+        row = ((time.perf_counter() - started) / 60, len(bed.records("soak")), memory["rss"], fds)
         samples.append(row)
-        print(f"{row[0]:>7.1f}{row[1]:>10}{row[2]:>9.0f}{row[3]:>10}", flush=True)
+        print(f"{row[0]:>7.1f}{row[1]:>10}{row[2]:>9.0f}{memory['anon']:>7.0f}{memory['file']:>7.0f}{memory['shmem']:>7.0f}"
+              f"{row[3]:>10}", flush=True)  # fmt: skip
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
     db = bed.ledger()
