@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import itertools
 import json
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -196,33 +195,35 @@ def test_quiet_collector_restores_the_collector_afterwards() -> None:
     assert gc.get_freeze_count() == 0
 
 
-def engine_run(tmp_path: Path, the_job: Job, chat: FixedCostChat, prompts: list[PromptRecord]) -> tuple[Engine, float]:
-    """Run the engine once; returns it and the run's duration in seconds."""
+def engine_run(tmp_path: Path, the_job: Job, chat: FixedCostChat, prompts: list[PromptRecord]) -> tuple[Engine, float, float]:
+    """Run the engine once; returns it, when it started (event-loop time) and how long it took (s)."""
     ledger = Ledger(tmp_path / "ledger.sqlite")
 
-    async def scenario() -> tuple[Engine, float]:
+    async def scenario() -> tuple[Engine, float, float]:
         async with writing(ledger, tmp_path / "out.jsonl") as (writer, sink):
             engine = Engine(the_job, chat, ledger, writer, sink, done_turns={})
             start = asyncio.get_running_loop().time()
             await engine.run(prompts)
-            return engine, asyncio.get_running_loop().time() - start
+            return engine, start, asyncio.get_running_loop().time() - start
 
     return asyncio.run(scenario())
 
 
 def test_the_ramp_spreads_the_first_wave_over_ramp_up_s(tmp_path: Path) -> None:
     chat = SlowChat(hold_s=0.5)
-    engine, _ = engine_run(tmp_path, job(concurrency=4, ramp_up_s=0.4), chat, records("a", "b", "c", "d"))
+    engine, start, _ = engine_run(tmp_path, job(concurrency=4, ramp_up_s=0.4), chat, records("a", "b", "c", "d"))
     assert engine.progress.records_done == 4
-    first_wave = sorted(chat.sent_at)
-    gaps = [later - earlier for earlier, later in itertools.pairwise(first_wave)]
-    assert min(gaps) >= 0.09  # worker k starts k x 0.1 s in; without the ramp all four go at once
+    # Worker k starts k x 0.1 s in (never earlier; load only delays it), and each sends
+    # once in the first 0.5 s: the k-th send is at least k x 0.1 s in. Without the ramp
+    # all four go at once.
+    since_start = sorted(t - start for t in chat.sent_at)
+    assert all(sent >= k * 0.1 - 0.001 for k, sent in enumerate(since_start)), since_start
 
 
 def test_a_stop_during_the_ramp_ends_the_run_without_waiting_it_out(tmp_path: Path) -> None:
     # A cap below one request's worst case: the first worker stops the run at once; the
     # other workers would otherwise sleep through up to 45 s of a 60 s ramp.
-    engine, took_s = engine_run(tmp_path, job(concurrency=4, ramp_up_s=60, max_usd=1e-9), FixedCostChat(0.01),
+    engine, _, took_s = engine_run(tmp_path, job(concurrency=4, ramp_up_s=60, max_usd=1e-9), FixedCostChat(0.01),
                                 records("a", "b", "c", "d"))  # fmt: skip
     assert engine.progress.stop_reason is not None and "spending cap" in engine.progress.stop_reason
     assert took_s < 10
