@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,16 +79,29 @@ async def writing(ledger: Ledger, output: Path) -> AsyncIterator[tuple[LedgerWri
         await writer.close()
 
 
-def run_engine(tmp_path: Path, chat: FixedCostChat, prompts: list[PromptRecord], ledger: Ledger) -> tuple[Engine, Path]:
+@dataclass(frozen=True)
+class Ran:
+    engine: Engine
+    output: Path
+    started: float
+    """Event-loop time at the start of the run."""
+    took_s: float
+
+
+def run_engine(
+    tmp_path: Path, chat: FixedCostChat, prompts: list[PromptRecord], ledger: Ledger, the_job: Job | None = None
+) -> Ran:
+    """Run the engine once on ``ledger`` (resuming what it holds), writing ``tmp_path/out.jsonl``."""
     output = tmp_path / "out.jsonl"
 
-    async def scenario() -> Engine:
+    async def scenario() -> Ran:
         async with writing(ledger, output) as (writer, sink):
-            engine = Engine(job(), chat, ledger, writer, sink, done_turns=ledger.done_turns("chat", HASH))
+            engine = Engine(the_job or job(), chat, ledger, writer, sink, done_turns=ledger.done_turns("chat", HASH))
+            started = asyncio.get_running_loop().time()
             await engine.run(prompts)
-        return engine
+            return Ran(engine, output, started, asyncio.get_running_loop().time() - started)
 
-    return asyncio.run(scenario()), output
+    return asyncio.run(scenario())
 
 
 def test_a_line_waits_for_the_ledger_write_of_its_turns(tmp_path: Path) -> None:
@@ -157,7 +171,8 @@ def test_a_records_cost_counts_attempts_of_earlier_runs(tmp_path: Path) -> None:
     with ledger.transaction():  # an earlier run paid for an attempt of r1 whose reply was lost
         attempt = ledger.op_start(RequestKey("chat", "r1", 0, HASH), run_id="earlier", reserved_usd=0.1)
         ledger.op_finish(RequestKey("chat", "r1", 0, HASH), attempt, state="pending", outcome="failed_billed", cost_usd=0.04)
-    engine, output = run_engine(tmp_path, FixedCostChat(0.01), records("r1", "r2"), ledger)
+    ran = run_engine(tmp_path, FixedCostChat(0.01), records("r1", "r2"), ledger)
+    engine, output = ran.engine, ran.output
     costs = {r["id"]: r["provenance"]["usage"]["cost_usd"] for r in map(json.loads, output.read_text().splitlines())}
     assert costs == pytest.approx({"r1": 0.05, "r2": 0.01})
     assert costs == pytest.approx(ledger.record_costs("chat", HASH))
@@ -176,7 +191,8 @@ def test_a_resumed_record_asks_only_for_the_turns_an_earlier_run_did_not_finish(
         ledger.op_finish(first, attempt, state="done", outcome="ok", cost_usd=0.02, reply=earlier)
     conversation = (Turn("user", "part one?"), Turn("assistant", "old"), Turn("user", "part two?"))
     chat = FixedCostChat(0.01)
-    engine, output = run_engine(tmp_path, chat, [PromptRecord("m1", conversation)], ledger)
+    ran = run_engine(tmp_path, chat, [PromptRecord("m1", conversation)], ledger)
+    engine, output = ran.engine, ran.output
     (line,) = map(json.loads, output.read_text().splitlines())
     assert chat.calls == 1
     assert [t["content"] for t in line["conversations"] if t["role"] == "assistant"] == ["earlier answer", "answer 1"]
@@ -195,35 +211,22 @@ def test_quiet_collector_restores_the_collector_afterwards() -> None:
     assert gc.get_freeze_count() == 0
 
 
-def engine_run(tmp_path: Path, the_job: Job, chat: FixedCostChat, prompts: list[PromptRecord]) -> tuple[Engine, float, float]:
-    """Run the engine once; returns it, when it started (event-loop time) and how long it took (s)."""
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-
-    async def scenario() -> tuple[Engine, float, float]:
-        async with writing(ledger, tmp_path / "out.jsonl") as (writer, sink):
-            engine = Engine(the_job, chat, ledger, writer, sink, done_turns={})
-            start = asyncio.get_running_loop().time()
-            await engine.run(prompts)
-            return engine, start, asyncio.get_running_loop().time() - start
-
-    return asyncio.run(scenario())
-
-
 def test_the_ramp_spreads_the_first_wave_over_ramp_up_s(tmp_path: Path) -> None:
     chat = SlowChat(hold_s=0.5)
-    engine, start, _ = engine_run(tmp_path, job(concurrency=4, ramp_up_s=0.4), chat, records("a", "b", "c", "d"))
-    assert engine.progress.records_done == 4
+    ran = run_engine(tmp_path, chat, records("a", "b", "c", "d"), Ledger(tmp_path / "ledger.sqlite"),
+                     job(concurrency=4, ramp_up_s=0.4))  # fmt: skip
+    assert ran.engine.progress.records_done == 4
     # Worker k starts k x 0.1 s in (never earlier; load only delays it), and each sends
     # once in the first 0.5 s: the k-th send is at least k x 0.1 s in. Without the ramp
     # all four go at once.
-    since_start = sorted(t - start for t in chat.sent_at)
+    since_start = sorted(t - ran.started for t in chat.sent_at)
     assert all(sent >= k * 0.1 - 0.001 for k, sent in enumerate(since_start)), since_start
 
 
 def test_a_stop_during_the_ramp_ends_the_run_without_waiting_it_out(tmp_path: Path) -> None:
     # A cap below one request's worst case: the first worker stops the run at once; the
     # other workers would otherwise sleep through up to 45 s of a 60 s ramp.
-    engine, _, took_s = engine_run(tmp_path, job(concurrency=4, ramp_up_s=60, max_usd=1e-9), FixedCostChat(0.01),
-                                records("a", "b", "c", "d"))  # fmt: skip
-    assert engine.progress.stop_reason is not None and "spending cap" in engine.progress.stop_reason
-    assert took_s < 10
+    ran = run_engine(tmp_path, FixedCostChat(0.01), records("a", "b", "c", "d"), Ledger(tmp_path / "ledger.sqlite"),
+                     job(concurrency=4, ramp_up_s=60, max_usd=1e-9))  # fmt: skip
+    assert ran.engine.progress.stop_reason is not None and "spending cap" in ran.engine.progress.stop_reason
+    assert ran.took_s < 10
