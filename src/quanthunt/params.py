@@ -108,8 +108,6 @@ class Reference(_Section):
     base_url: str = SANDBOX
     model: str | None = None
     """The served model's name; null: the first one ``/models`` lists."""
-    score_max_tokens: Literal[0, 1] = 0
-    """``max_tokens`` of teacher-forced scoring requests (``echo``): 1 for servers that refuse 0."""
     _check = field_validator("base_url")(check_base_url)
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from quanthunt import stats
 from quanthunt.gateway import TRANSIENT, ChatReply, Gateway, GatewayError, Routing, TokenLogprob, chat_body
 from quanthunt.prompts import PromptRecord, skeleton
-from quanthunt.reference import Reference, Scored
+from quanthunt.reference import PARTIAL, Position, Reference, Scored, canonical_name, merge_by_name
 from quanthunt.verdicts import Estimate, ProviderVerdict, TestResult, Verdict
 
 T = TypeVar("T")
@@ -174,57 +174,64 @@ _STANDARD_NORMAL = statistics.NormalDist()
 """Per-token quantiles: the stdlib's is ~1,000x faster than scipy's on scalars, equal to 1e-15."""
 
 
-def pit_normal_score(logprob: float, top: Mapping[str, float], *, listed: int, u: float) -> float:
+def pit_normal_score(position: Position, *, listed: int, u: float) -> float:
     """``Φ⁻¹`` of the randomised PIT of one token (see ``SampledText.rank_score``).
 
-    ``top`` holds the reference's top-``listed`` logprobs, plus the sampled token when it was
-    not among them (vLLM's echo adds it); ``u`` is a uniform draw in [0, 1)."""
-    p = math.exp(logprob)
-    probs = sorted((math.exp(v) for v in top.values()), reverse=True)
-    in_top = len(top) <= listed
-    if in_top:
-        above = sum(q for q in probs if q > p)
-        ties = sum(q for q in probs if q == p)
-        value = above + u * max(ties, p)
+    ``position`` holds the reference's top-``listed`` alternatives, with or without the
+    scored token (vLLM adds it, SGLang does not): membership in the top is decided by value
+    (``Position.in_top``), never by the list's length. ``u`` is a uniform draw in [0, 1)."""
+    p = math.exp(position.logprob)
+    others = position.outranked_by()
+    if position.in_top(listed):
+        above = sum(math.exp(v) for v in others if v > position.logprob)
+        ties = sum(math.exp(v) for v in others if v == position.logprob)
+        value = above + u * (p + ties)
     else:
-        listed_mass = min(sum(probs) - p, 1.0)
+        listed_mass = min(sum(math.exp(v) for v in others[:listed]), 1.0)
         value = listed_mass + u * (1.0 - listed_mass)
     return _STANDARD_NORMAL.inv_cdf(min(max(value, 1e-12), 1 - 1e-12))
 
 
-def rank_score(logprobs: Sequence[float], tops: Sequence[Mapping[str, float]], *, listed: int, seed: str) -> float:
+def rank_score(positions: Sequence[Position], *, listed: int, seed: str) -> float:
     """Mean normal score of a completion's tokens (seeded jitter: same text, same score)."""
     rng = np.random.default_rng(int(hashlib.sha256(seed.encode()).hexdigest()[:16], 16))
-    scores = [
-        pit_normal_score(lp, top, listed=listed, u=float(rng.random())) for lp, top in zip(logprobs, tops, strict=False) if top
-    ]
+    scores = [pit_normal_score(position, listed=listed, u=float(rng.random())) for position in positions]
     return statistics.fmean(scores) if scores else 0.0
 
 
-def _completion_slice(scored: Scored, start: int) -> tuple[list[str], list[float], list[dict[str, float]]]:
-    tokens = scored.tokens[start:]
-    logprobs = [float(v) if v is not None else math.nan for v in scored.logprobs[start:]]
-    top = [t or {} for t in scored.top[start:]]
-    return tokens, logprobs, top
+def names_pair(provider: str, reference: str) -> bool:
+    """Whether a provider's token and the reference's re-tokenization agree at a position:
+    the same decoded text, or a partial UTF-8 piece on either side (its text is empty)."""
+    provider, reference = canonical_name(provider), canonical_name(reference)
+    return provider == reference or PARTIAL in (provider, reference)
 
 
 def compare_logprobs(
     probe_id: str, index: int, provider: Sequence[TokenLogprob], scored: Scored, prompt_len: int
 ) -> LogprobCompletion:
     """Pair the provider's tokens with the reference's teacher-forced scores, position by
-    position, up to the first position where the two tokenizations disagree."""
-    ref_tokens, ref_logprobs, ref_top = _completion_slice(scored, prompt_len)
+    position, up to the first position where the two tokenizations disagree.
+
+    Per position both sides list the sampled token and the same number of alternatives
+    besides it (vLLM's chat lists only the top k−1 when the sampled token is outside the
+    top k; its echo lists k), compared by decoded name in context and merged alike
+    (``merge_by_name``), so a provider identical to the reference has KL exactly 0."""
     deltas: list[float] = []
     kls: list[float] = []
     agree: list[bool] = []
-    for position, token in enumerate(provider):
-        if position >= len(ref_tokens) or ref_tokens[position] != token.token or math.isnan(ref_logprobs[position]):
+    for token, position in zip(provider, scored.positions[prompt_len:], strict=False):
+        names = position.names if position is not None else None
+        if position is None or names is None or not names_pair(token.token, names[position.key]):
             break
-        deltas.append(token.logprob - ref_logprobs[position])
-        # Both sides: their top-k plus the sampled token (vLLM adds it to echoed top-k), so a
-        # provider identical to the reference has KL exactly 0.
-        provider_top = {t.token: t.logprob for t in token.top_logprobs} | {token.token: token.logprob}
-        reference_top = dict(ref_top[position]) | {token.token: ref_logprobs[position]}
+        deltas.append(token.logprob - position.logprob)
+        listed = [(t.token, t.logprob) for t in token.top_logprobs]
+        sampled = (token.token, token.logprob)
+        alternatives = [t for t in listed if t != sampled] if sampled in listed else listed[: max(len(listed) - 1, 0)]
+        provider_top = merge_by_name([sampled, *alternatives])
+        depth = len(alternatives)
+        reference_top = merge_by_name(
+            [(names[position.key], position.logprob), *((names[k], v) for k, v in position.others()[:depth])]
+        )
         kls.append(stats.kl_topk_with_tail(reference_top, provider_top))
         agree.append(max(provider_top, key=provider_top.__getitem__) == max(reference_top, key=reference_top.__getitem__))
     return LogprobCompletion(probe_id, index, len(provider), len(deltas), deltas, kls, agree)
@@ -278,9 +285,9 @@ class Auditor:
         scored = await with_retries(
             lambda: self.reference.score(prompt + ids, top_logprobs=RANK_TOP_K), attempts=attempts, errors=errors
         )
-        values = [float(v) for v in scored.logprobs[len(prompt) :] if v is not None]
-        tops = [t or {} for t in scored.top[len(prompt) :]]
-        score = rank_score(values, tops, listed=RANK_TOP_K, seed=f"{probe.id}:{index}:{source}:{text}")
+        positions = [p for p in scored.positions[len(prompt) :] if p is not None]
+        values = [p.logprob for p in positions]
+        score = rank_score(positions, listed=RANK_TOP_K, seed=f"{probe.id}:{index}:{source}:{text}")
         return SampledText(probe.id, index, source, ids, statistics.fmean(values) if values else 0.0, score, len(values))
 
     async def logprob_completion(self, audit: Audit, probe: Probe, index: int) -> None:
@@ -295,7 +302,7 @@ class Auditor:
                     lambda: self.reference.tokenize_text(reply.content), attempts=self.design.max_attempts, errors=audit.errors
                 )
                 scored = await with_retries(
-                    lambda: self.reference.score(prompt + ids, top_logprobs=self.design.top_logprobs),
+                    lambda: self.reference.score(prompt + ids, top_logprobs=self.design.top_logprobs, names=True),
                     attempts=self.design.max_attempts,
                     errors=audit.errors,
                 )

@@ -29,7 +29,8 @@ def gateway_chat(sandbox: SandboxProcess, **body: Any) -> dict[str, Any]:
 
 
 def reference(sandbox: SandboxProcess, route: str, **body: Any) -> dict[str, Any]:
-    reply = httpx.post(f"{sandbox.reference_url}/{route}", json={"model": MODEL_ID, **body}, timeout=120)
+    base = sandbox.reference_url.removesuffix("/v1") if route == "tokenize" else sandbox.reference_url
+    reply = httpx.post(f"{base}/{route}", json={"model": MODEL_ID, **body}, timeout=120)
     assert reply.status_code == 200, reply.text
     return dict(reply.json())
 

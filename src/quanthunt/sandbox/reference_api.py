@@ -1,13 +1,23 @@
-"""The team's local reference deployment, as vLLM's OpenAI-compatible server shows it.
+"""The team's local reference deployment, as a real vLLM or SGLang server shows it (the
+roster's ``reference_flavour``; the server root is ``/reference``, its API ``/reference/v1``).
 
-- ``POST /reference/v1/chat/completions``: sampling with logprobs (no routing, no cost);
-- ``POST /reference/v1/completions``: ``echo: true`` with ``logprobs: k`` and
-  ``max_tokens: 0`` (or 1) returns the teacher-forced logprob of every prompt token, which
-  is how a verifier scores a provider's completion at the reference; ``prompt`` may be
-  text or a list of token ids;
-- ``POST /reference/v1/tokenize`` / ``detokenize``; ``GET /reference/v1/models``.
+- ``POST /v1/chat/completions``: sampling with logprobs (no routing, no cost);
+- ``POST /v1/completions``: ``echo: true`` with ``logprobs: k`` returns the teacher-forced
+  logprob of every prompt token, which is how a verifier scores a provider's completion at
+  the reference; ``prompt`` may be text or a list of token ids;
+- ``POST /tokenize`` / ``detokenize``; ``GET /v1/models``.
 
-``return_tokens_as_token_ids: true`` (a vLLM option) names tokens ``token_id:<id>``.
+Where the two servers differ (each checked against recorded vLLM 0.32 replies in
+``tests/contracts/replies/`` or read from SGLang's source):
+
+| | ``vllm`` | ``sglang`` |
+|---|---|---|
+| tokenize, detokenize | server root only | root and ``/v1``; text only, no ``messages`` |
+| chat prompt ids | ``/tokenize`` with ``messages`` | chat ``return_prompt_token_ids`` |
+| echo ``max_tokens: 0`` | accepted | 400 |
+| echoed ``top_logprobs`` | top k, plus the scored token first when outside them | top k only |
+| token names | in context, ``""`` for a partial UTF-8 piece; ``token_id:N`` on request | in context; no ids |
+| same-named alternatives | the last listed wins | the first listed wins |
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from starlette.routing import Route
 
 from quanthunt.errors import SandboxError
 from quanthunt.sandbox.engine import Engine, OutToken, SamplingRequest, TokenInfo
-from quanthunt.sandbox.render import logprob_item
+from quanthunt.sandbox.render import ContextNames, logprob_items
 from quanthunt.sandbox.requests import BadRequest, parse_chat, parse_json_object, parse_messages, parse_stop
 from quanthunt.sandbox.roster import Roster
 from quanthunt.spec import MAX_TOP_LOGPROBS
@@ -40,9 +50,7 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
     """Routes of the reference deployment over ``engine`` at the reference precision."""
 
     model_id = roster.model.id
-
-    def token_name(info: TokenInfo, as_ids: bool) -> str:
-        return f"token_id:{info.id}" if as_ids else info.text
+    sglang = roster.reference_flavour == "sglang"
 
     def check_model(data: dict[str, Any]) -> None:
         model = data.get("model", model_id)
@@ -94,8 +102,10 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
         except SandboxError as exc:
             return _error(503, str(exc))
         n = len(completion.tokens)
+        extra = {"prompt_token_ids": prompt_ids} if sglang and data.get("return_prompt_token_ids") else {}
         return JSONResponse(
-            {
+            extra
+            | {
                 "id": "chatcmpl-" + secrets.token_hex(12),
                 "object": "chat.completion",
                 "created": int(time.time()),
@@ -104,7 +114,11 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": completion.text},
-                        "logprobs": {"content": [logprob_item(t, as_ids=params.return_token_ids) for t in completion.tokens]}
+                        "logprobs": {
+                            "content": logprob_items(
+                                completion.tokens, as_ids=params.return_token_ids, top_logprobs=params.top_logprobs
+                            )
+                        }
                         if params.logprobs
                         else None,
                         "finish_reason": completion.finish_reason,
@@ -134,12 +148,13 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
             max_tokens = data.get("max_tokens", 16)
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
                 raise BadRequest("max_tokens must be a non-negative integer")
-            if max_tokens == 0 and not echo:
-                raise BadRequest("max_tokens: 0 is only meaningful with echo: true")
+            if max_tokens == 0 and (sglang or not echo):
+                # vLLM scores a prompt with max_tokens 0 under echo; SGLang's validate_max_tokens_positive refuses it.
+                raise BadRequest("max_tokens must be positive" if sglang else f"max_tokens must be at least 1, got {max_tokens}.")
             temperature = data.get("temperature", 1.0)
             if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
                 raise BadRequest("temperature must be a number between 0 and 2")
-            as_ids = bool(data.get("return_tokens_as_token_ids", False))
+            as_ids = not sglang and bool(data.get("return_tokens_as_token_ids", False))
             completion_tokens: list[OutToken] = []
             text, finish = "", "length"
             if max_tokens > 0:
@@ -167,24 +182,7 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
             infos: list[TokenInfo] = [engine.token_info(i) for i in ids] if echo else []
             entries: list[OutToken | None] = [*prompt_scores, *completion_tokens] if echo else list(completion_tokens)
             infos += [t.token for t in completion_tokens]
-            offsets, cursor = [], 0
-            for info in infos:
-                offsets.append(cursor)
-                cursor += len(info.text)
-            top_dicts: list[dict[str, float] | None] = []
-            for info, entry in zip(infos, entries, strict=True):
-                if entry is None:
-                    top_dicts.append(None)
-                    continue
-                top = {token_name(t, as_ids): lp for t, lp in entry.top}
-                top.setdefault(token_name(info, as_ids), entry.logprob)
-                top_dicts.append(top)
-            logprobs = {
-                "tokens": [token_name(i, as_ids) for i in infos],
-                "token_logprobs": [None if e is None else e.logprob for e in entries],
-                "top_logprobs": top_dicts,
-                "text_offset": offsets,
-            }
+            logprobs = echoed_logprobs(infos, entries, as_ids=as_ids, sglang=sglang)
         prompt_text = engine.decode(ids) if echo else ""
         return JSONResponse(
             {
@@ -205,13 +203,13 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
         try:
             data = parse_json_object(await request.body())
             check_model(data)
-            if "messages" in data:
+            if "messages" in data and not sglang:
                 add = data.get("add_generation_prompt", True)
                 ids = engine.encode_chat(parse_messages(data["messages"]), add_generation_prompt=bool(add))
             elif isinstance(data.get("prompt"), str):
                 ids = engine.encode_text(data["prompt"])
             else:
-                raise BadRequest("give either prompt (a string) or messages")
+                raise BadRequest("prompt: Field required" if sglang else "give either prompt (a string) or messages")
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         return JSONResponse(
@@ -241,6 +239,47 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
         Route("/reference/v1/models", models),
         Route("/reference/v1/chat/completions", chat, methods=["POST"]),
         Route("/reference/v1/completions", completions, methods=["POST"]),
-        Route("/reference/v1/tokenize", tokenize, methods=["POST"]),
-        Route("/reference/v1/detokenize", detokenize, methods=["POST"]),
+        Route("/reference/tokenize", tokenize, methods=["POST"]),
+        Route("/reference/detokenize", detokenize, methods=["POST"]),
+        *(
+            [
+                Route("/reference/v1/tokenize", tokenize, methods=["POST"]),
+                Route("/reference/v1/detokenize", detokenize, methods=["POST"]),
+            ]
+            if sglang
+            else []
+        ),
     ]
+
+
+def echoed_logprobs(infos: list[TokenInfo], entries: list[OutToken | None], *, as_ids: bool, sglang: bool) -> dict[str, Any]:
+    """The ``logprobs`` object of a ``/completions`` reply: tokens named in context
+    (``ContextNames``) or ``token_id:N``; per position the top alternatives as a dict, which
+    vLLM starts with the scored token (so it holds k or k+1 entries, a later same-named
+    entry replacing an earlier one) and SGLang fills with the top k only (the first of
+    same-named entries kept). vLLM's ``text_offset`` counts the names' lengths; SGLang's is -1."""
+    names = ContextNames()
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    cursor = 0
+    for info, entry in zip(infos, entries, strict=True):
+        context = [(t, lp, names.name(t)) for t, lp in entry.top] if entry is not None else []
+        name = f"token_id:{info.id}" if as_ids else names.advance(info)
+        tokens.append(name)
+        offsets.append(-1 if sglang else cursor)
+        cursor += len(name)
+        values.append(None if entry is None else entry.logprob)
+        if entry is None:
+            tops.append(None)
+            continue
+        top: dict[str, float] = {} if sglang else {name: entry.logprob}
+        for t, lp, n in context:
+            key = f"token_id:{t.id}" if as_ids else n
+            if sglang:
+                top.setdefault(key, lp)
+            else:
+                top[key] = lp
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
