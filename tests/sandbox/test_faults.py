@@ -127,3 +127,23 @@ def test_credits_can_be_topped_up(latency_sandbox: Start) -> None:
     topped = httpx.post(f"{sandbox.api_url}/sandbox/credits", json={"add_usd": 1}, headers=AUTH)
     assert topped.json()["data"]["limit_remaining"] == 1
     assert httpx.post(f"{sandbox.api_url}/chat/completions", json=BODY, headers=AUTH).status_code == 200
+
+
+def test_empty_answer_is_a_billed_200_with_only_reasoning(latency_sandbox: Start, contract: Callable[[str, Any], None]) -> None:
+    sandbox = one_fault(latency_sandbox, "empty_answer")
+    reply = httpx.post(f"{sandbox.api_url}/chat/completions", json=BODY, headers=AUTH)
+    assert reply.status_code == 200
+    body = reply.json()
+    contract("ChatResult", body)
+    (choice,) = body["choices"]
+    assert choice["message"]["content"] is None and choice["message"]["reasoning"]
+    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4
+    assert usage_of(sandbox) == pytest.approx(body["usage"]["cost"]) and usage_of(sandbox) > 0
+
+
+def test_error_200_is_a_top_level_error_and_not_billed(latency_sandbox: Start) -> None:
+    sandbox = one_fault(latency_sandbox, "error_200")
+    reply = httpx.post(f"{sandbox.api_url}/chat/completions", json=BODY, headers=AUTH)
+    assert reply.status_code == 200
+    assert reply.json() == {"error": {"code": 502, "message": "Provider returned error", "metadata": {"provider_name": "A"}}}
+    assert usage_of(sandbox) == 0

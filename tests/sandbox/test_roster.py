@@ -17,14 +17,16 @@ def test_every_precision_has_a_builder() -> None:
 
 def test_default_roster_tells_the_seed_story() -> None:
     roster = load_roster()
-    truth = {p.slug: (p.quantization, p.precision, p.supports_logprobs) for p in roster.providers}
-    assert truth["moonshotai"] == ("int4", "int4-native", True)
-    assert truth["fireworks"] == ("int4", "int4-bf16act", True)
-    assert truth["together"] == ("nvfp4", "nvfp4", True)
-    assert truth["deepinfra"] == ("fp4", "mxfp4", True)
-    unknown = {slug: precision for slug, (declared, precision, _) in truth.items() if declared == "unknown"}
+    truth = {p.tag: (p.quantization, p.precision, p.supports_logprobs) for p in roster.providers}
+    assert truth["moonshotai/int4"] == ("int4", "int4-native", True)
+    assert truth["fireworks/int4"] == ("int4", "int4-bf16act", True)
+    assert truth["together/nvfp4"] == ("nvfp4", "nvfp4", True)
+    assert truth["deepinfra/fp4"] == ("fp4", "mxfp4", True)
+    assert truth["deepinfra/bf16"] == ("bf16", "int4-bf16act", True)  # one provider, two endpoints
+    unknown = {tag: precision for tag, (declared, precision, _) in truth.items() if declared == "unknown"}
     assert sorted(unknown.values()) == ["int4-native", "nvfp4"]
-    assert [slug for slug, (*_, logprobs) in truth.items() if not logprobs] == ["novita"]
+    assert [tag for tag, (*_, logprobs) in truth.items() if not logprobs] == ["novita/int4"]
+    assert roster.generation_lookup_delay_s == pytest.approx(1.0)  # OpenRouter's /generation lags ~1 s
     assert any(p.precision == "substitute" for p in roster.providers)
 
 
@@ -88,10 +90,14 @@ def test_bad_roster_names_file_and_field(text: str, message: str) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_duplicate_slugs_are_refused() -> None:
-    entry = "{name: %s, slug: a, tag: a/%s, quantization: int4, precision: int4-native, pricing: {prompt: '0', completion: '0'}}"
-    with pytest.raises(ConfigError, match="provider slugs must be unique; repeated: a"):
-        parse_roster(f"providers:\n- {entry % ('A', 'x')}\n- {entry % ('B', 'y')}", source="r.yaml")
+def test_a_provider_may_have_several_endpoints_but_one_name_and_unique_tags() -> None:
+    entry = "{name: %s, slug: a, tag: %s, quantization: int4, precision: int4-native, pricing: {prompt: '0', completion: '0'}}"
+    roster = parse_roster(f"providers:\n- {entry % ('A', 'a')}\n- {entry % ('A', 'a/turbo')}", source="r.yaml")
+    assert [p.tag for p in roster.find("A")] == ["a", "a/turbo"] and [p.tag for p in roster.find("A/TURBO")] == ["a/turbo"]
+    with pytest.raises(ConfigError, match="provider slug a is named both 'A' and 'B'"):
+        parse_roster(f"providers:\n- {entry % ('A', 'a/x')}\n- {entry % ('B', 'a/y')}", source="r.yaml")
+    with pytest.raises(ConfigError, match="endpoint tags must be unique \\(any case\\); repeated: a/x"):
+        parse_roster(f"providers:\n- {entry % ('A', 'a/x')}\n- {entry % ('A', 'A/X')}", source="r.yaml")
 
 
 def test_missing_and_undecodable_files(tmp_path: Path) -> None:

@@ -104,3 +104,16 @@ def test_context_length_filters() -> None:
 def test_bad_preferences_name_the_field(prefs: object, message: str) -> None:
     with pytest.raises(BadPreferences, match=message):
         parse_preferences(prefs)
+
+
+def test_an_endpoint_without_a_parameter_is_routed_around_when_it_is_required() -> None:
+    roster = Roster.model_validate(roster_dict(provider("noseed", unsupported_parameters=["seed"]), provider("full")))
+    (noseed, full) = roster.providers
+    assert "seed" not in noseed.supported_parameters and "seed" in full.supported_parameters
+    strict = parse_preferences({"require_parameters": True})
+    for _ in range(5):
+        chosen = route(roster, strict, parameters={"seed"}, prompt_tokens=10, max_tokens=10, rng=random.Random(0))
+        assert [p.slug for p in chosen] == ["full"]
+    only = parse_preferences({"only": ["noseed"], "require_parameters": True})
+    with pytest.raises(NoEndpoint):  # the gateway answers 404 constraint_filtered
+        route(roster, only, parameters={"seed"}, prompt_tokens=10, max_tokens=10, rng=random.Random(0))

@@ -14,6 +14,8 @@ from quanthunt.sandbox.roster import FAULT_KINDS, Faults
 
 BEFORE_GENERATION = frozenset({"rate_limit", "rate_limit_no_retry_after", "server_error", "bad_gateway", "unavailable"})
 """Faults that stop an attempt before the provider generates anything (never billed)."""
+CHAT_ONLY = frozenset({"finish_error", "error_200", "empty_answer"})
+"""Faults of a chat completion's body, which the gateway's other routes do not have."""
 ERROR_STATUS = {
     "rate_limit": 429,
     "rate_limit_no_retry_after": 429,
