@@ -4,11 +4,11 @@ draws (verification effects, cost by dataset and provider)."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from rich.console import Console
 
+from quanthunt import figures
 from quanthunt.outputs import Outputs
 from quanthunt.params import load_params
 from quanthunt.report import DatasetView, cost_rows, csv_text, json_lines, render, verification_rows
@@ -32,9 +32,9 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
     verdicts = load_verdicts(root / paths.verdicts)
     plots = {}
     for v in verdicts.providers:
-        png = root / paths.verify_plots / (re.sub(r"[^a-z0-9]+", "-", v.provider.lower()).strip("-") + ".png")
+        png = root / paths.verify_plots / figures.file_name(v.tag)
         if png.exists():
-            plots[v.provider] = png.read_bytes()
+            plots[v.tag] = png.read_bytes()
     datasets = []
     for name in params.datasets:
         final = root / paths.final / f"{name}.jsonl"
@@ -67,9 +67,9 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
             out.write_text(root / paths.report, page)
             out.write_text(
                 root / paths.plots_verification,
-                csv_text(verification_rows(verdicts), ["provider", "verdict", "mode", "effect", "ci_low", "ci_high"]),
+                csv_text(verification_rows(verdicts), ["tag", "provider", "verdict", "mode", "effect", "ci_low", "ci_high"]),
             )
-            out.write_text(root / paths.plots_cost, csv_text(costs, ["dataset", "provider", "cost_usd", "records"]))
+            out.write_text(root / paths.plots_cost, csv_text(costs, ["dataset", "tag", "provider", "cost_usd", "records"]))
         run.log_artifact(root / paths.report)
         run.log_metrics({"records": sum(len(x.records) for x in datasets), "cost_usd": sum(r["cost_usd"] for r in costs)})
         console.print(f"report: {root / paths.report}")

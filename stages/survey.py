@@ -39,11 +39,11 @@ def providers_csv(rows: list[ProviderRow]) -> str:
 
 def show(rows: list[ProviderRow], plan: dict[str, object], console: Console) -> None:
     table = Table(title="Providers", title_justify="left")
-    for column in ("provider", "declared", "$/M in", "$/M out", "status", "uptime", "logprobs", "decision"):
+    for column in ("provider", "tag", "declared", "$/M in", "$/M out", "status", "uptime", "logprobs", "decision"):
         table.add_column(column)
     for r in rows:
         table.add_row(
-            r.provider, r.declared_quantization, f"{r.prompt_usd_per_m:.2f}", f"{r.completion_usd_per_m:.2f}",
+            r.provider, r.tag, r.declared_quantization, f"{r.prompt_usd_per_m:.2f}", f"{r.completion_usd_per_m:.2f}",
             str(r.status), f"{r.uptime_last_30m}", "yes" if r.supports_logprobs else "no", r.reason,
         )  # fmt: skip
     console.print(table)
@@ -52,11 +52,11 @@ def show(rows: list[ProviderRow], plan: dict[str, object], console: Console) -> 
     budget = Table(
         title=f"Budget plan: ${plan['budget_usd']:,} for {plan['target_output_tokens']:,} output tokens", title_justify="left"
     )
-    for column in ("at", "provider", "$/M out", "cost", "within budget", "affordable tokens", "per dataset"):
+    for column in ("at", "endpoint", "$/M out", "cost", "within budget", "affordable tokens", "per dataset"):
         budget.add_column(column)
     for s in scenarios:
         budget.add_row(
-            s["scenario"], s["provider"], f"{s['completion_usd_per_m']:.2f}", f"${s['total_cost_usd']:,.2f}",
+            s["scenario"], s["tag"], f"{s['completion_usd_per_m']:.2f}", f"${s['total_cost_usd']:,.2f}",
             "yes" if s["within_budget"] else "no",
             f"{s['affordable_output_tokens']:,}", f"{s['affordable_output_tokens_per_dataset']:,}",
         )  # fmt: skip
@@ -97,9 +97,9 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         run.log_metrics(metrics)
         run.set_tags(
             {
-                "providers": ",".join(r.provider for r in rows),
-                "candidates": ",".join(r.provider for r in candidates),
-                "declared_precision": ",".join(sorted({f"{r.provider}={r.declared_quantization}" for r in rows})),
+                "providers": ",".join(r.tag for r in rows),
+                "candidates": ",".join(r.tag for r in candidates),
+                "declared_precision": ",".join(sorted({f"{r.tag}={r.declared_quantization}" for r in rows})),
                 "model": params.survey.model,
                 "gateway": "sandbox" if targets.sandbox else targets.api_url,
             }

@@ -58,7 +58,7 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
     )
     if table_failures:
         raise ConfigError(f"{root / paths.verdicts}: {table_failures[0].line()}")
-    eligible = {v.provider: v for v in verdicts.eligible()}
+    eligible = {v.tag: v for v in verdicts.eligible()}
     sampling = params.generate.sampling
     hashed = params_hash(params.survey.model, sampling.model_dump(mode="json"))
     ledger = Ledger(root / paths.ledger)
@@ -80,7 +80,7 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
         checked = check(
             lines,
             max_tokens=sampling.max_tokens,
-            eligible=list(eligible),
+            eligible=[(v.tag, v.provider) for v in eligible.values()],
             params_sha256=hashed,
             ledger_lines={r: sha for r, (sha, _) in recorded.items()},
             ledger_costs=costs,
@@ -97,7 +97,7 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             {
                 "dataset": dataset,
                 "status": report["status"],
-                "providers": ",".join(sorted(checked.metrics["providers"])),
+                "providers": ",".join(sorted(checked.metrics["endpoints"])),
                 "cost_usd": f"{checked.metrics['cost_usd']:.8f}",
             }
         )
@@ -130,17 +130,17 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             "reference_model": verdicts.reference_model,
             "providers": [
                 {
-                    "provider": name,
-                    "tag": v.tag,
+                    "provider": v.provider,
+                    "tag": tag,
                     "declared_quantization": v.declared_quantization,
                     "verdict": v.verdict,
                     "verification_mode": v.mode,
                     "measured": {k: e.value for k, e in v.effects.items()},
                     "verdict_run_id": v.mlflow_run_id,
-                    "records_served": checked.metrics["providers"].get(name, 0),
+                    "records_served": checked.metrics["endpoints"][tag],
                 }
-                for name, v in eligible.items()
-                if checked.metrics["providers"].get(name)
+                for tag, v in eligible.items()
+                if checked.metrics["endpoints"].get(tag)
             ],
             "sampling": sampling.model_dump(mode="json"),
             "params_sha256": {

@@ -8,7 +8,7 @@ import pytest
 
 from quanthunt.gateway import Endpoint
 from quanthunt.params import Budget, Policy, Probes
-from quanthunt.survey import apply_policy, plan_budget, price_scenario, probe_cost
+from quanthunt.survey import SENT_PARAMETERS, apply_policy, plan_budget, price_scenario, probe_cost
 
 
 def endpoint(name: str, **fields: Any) -> Endpoint:
@@ -20,7 +20,7 @@ def endpoint(name: str, **fields: Any) -> Endpoint:
         "pricing": {"prompt": "0.0000006", "completion": "0.0000022"},
         "status": 0,
         "uptime_last_30m": 99.0,
-        "supported_parameters": ["max_tokens", "logprobs", "top_logprobs"],
+        "supported_parameters": [*SENT_PARAMETERS, "stop", "logprobs", "top_logprobs"],
     }
     data.update(fields)
     return Endpoint.model_validate(data)
@@ -50,7 +50,7 @@ def test_policy_reasons(fields: dict[str, Any], reason: str) -> None:
 
 def test_ignore_and_logprobs_requirements() -> None:
     rows = apply_policy(
-        [endpoint("Keep"), endpoint("Skip"), endpoint("Blind", supported_parameters=["max_tokens"])],
+        [endpoint("Keep"), endpoint("Skip"), endpoint("Blind", supported_parameters=list(SENT_PARAMETERS))],
         Policy(ignore_providers=("skip",), require_logprobs=True),
     )
     assert [r.reason for r in rows] == ["candidate", "excluded: ignored by policy", "excluded: no logprobs"]
@@ -112,3 +112,28 @@ def test_plan_without_candidates() -> None:
     rows = apply_policy([endpoint("X", quantization="fp4")], Policy(allowed_quantizations=("int4",)))
     plan = plan_budget(rows, Budget(usd=10, datasets=1, output_tokens_per_dataset=1000), Probes())
     assert plan["candidates"] == 0 and plan["scenarios"] == [] and plan["verification"]["cost_usd"] == 0
+
+
+@pytest.mark.parametrize(
+    ("missing", "reason", "logprobs"),
+    [
+        ((), "candidate", True),
+        (("seed",), "excluded: does not support seed", True),  # verification sends a seed with every probe
+        (("top_p", "temperature"), "excluded: does not support temperature, top_p", True),
+        (("max_tokens",), "excluded: does not support max_tokens", True),
+        (("top_logprobs",), "candidate", False),  # logprobs without top_logprobs: sample-mode audit
+    ],
+)
+def test_every_parameter_the_later_stages_send_must_be_supported(missing: tuple[str, ...], reason: str, logprobs: bool) -> None:
+    listed = [p for p in (*SENT_PARAMETERS, "stop", "logprobs", "top_logprobs") if p not in missing]
+    (row,) = apply_policy([endpoint("P", supported_parameters=listed)], POLICY)
+    assert (row.reason, row.supports_logprobs) == (reason, logprobs)
+
+
+def test_two_endpoints_of_one_provider_are_planned_apart() -> None:
+    rows = apply_policy(
+        [endpoint("DeepInfra", tag="deepinfra/fp8", quantization="fp8"), endpoint("DeepInfra", tag="deepinfra/int4")], POLICY
+    )
+    plan = plan_budget(rows, Budget(usd=100, datasets=1, output_tokens_per_dataset=10**6), Probes())
+    assert set(plan["verification"]["per_endpoint_usd"]) == {"deepinfra/fp8", "deepinfra/int4"}
+    assert plan["verification"]["cost_usd"] == pytest.approx(2 * probe_cost(rows[0], Probes()))

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+
+def file_name(tag: str) -> str:
+    """The PNG file of an endpoint's plot (``deepinfra/fp4`` -> ``deepinfra-fp4.png``)."""
+    return re.sub(r"[^a-z0-9]+", "-", tag.lower()).strip("-") + ".png"
 
 
 def _figure(width: float = 7.0, height: float = 3.2) -> tuple[Any, Any]:

@@ -27,18 +27,19 @@ class DatasetView:
 
 
 def cost_rows(datasets: Sequence[DatasetView]) -> list[dict[str, Any]]:
-    """Cost and records per (dataset, provider), from each record's per-turn provenance."""
-    cost: dict[tuple[str, str], float] = defaultdict(float)
-    records: Counter[tuple[str, str]] = Counter()
+    """Cost and records per (dataset, endpoint), from each record's per-turn provenance (a
+    record is counted for every endpoint that served one of its turns)."""
+    cost: dict[tuple[str, str, str], float] = defaultdict(float)
+    records: Counter[tuple[str, str, str]] = Counter()
     for d in datasets:
         for record in d.records:
             turns = record["provenance"].get("turns") or []
             for turn in turns:
-                cost[(d.name, turn["provider"])] += float(turn.get("cost_usd") or 0.0)
-            records[(d.name, record["provenance"]["provider"])] += 1
+                cost[(d.name, turn["endpoint_tag"], turn["provider"])] += float(turn.get("cost_usd") or 0.0)
+            records.update({(d.name, t["endpoint_tag"], t["provider"]) for t in turns})
     return [
-        {"dataset": ds, "provider": p, "cost_usd": round(c, 8), "records": records.get((ds, p), 0)}
-        for (ds, p), c in sorted(cost.items())
+        {"dataset": ds, "tag": tag, "provider": p, "cost_usd": round(c, 8), "records": records[(ds, tag, p)]}
+        for (ds, tag, p), c in sorted(cost.items())
     ]
 
 
@@ -48,6 +49,7 @@ def verification_rows(verdicts: Verdicts) -> list[dict[str, Any]]:
         effect = v.effects.get("mean_abs_dlogprob") or v.effects.get("rank_score")
         rows.append(
             {
+                "tag": v.tag,
                 "provider": v.provider,
                 "verdict": v.verdict,
                 "mode": v.mode,
@@ -124,10 +126,10 @@ def render(
 ) -> str:
     """The whole page."""
     costs = cost_rows(datasets)
-    by_provider: Counter[str] = Counter()
+    by_endpoint: Counter[str] = Counter()
     by_dataset: Counter[str] = Counter()
     for row in costs:
-        by_provider[row["provider"]] += row["cost_usd"]
+        by_endpoint[row["tag"]] += row["cost_usd"]
         by_dataset[row["dataset"]] += row["cost_usd"]
     records = sum(len(d.records) for d in datasets)
     tokens = sum(r["provenance"]["usage"]["completion_tokens"] for d in datasets for r in d.records)
@@ -159,6 +161,7 @@ def render(
         verdict_rows.append(
             [
                 v.provider,
+                v.tag,
                 v.declared_quantization,
                 v.mode,
                 v.verdict,
@@ -174,6 +177,7 @@ def render(
     verdict_table = _table(
         [
             "provider",
+            "tag",
             "declares",
             "mode",
             "verdict",
@@ -209,8 +213,8 @@ def render(
     )
     plots = "".join(_img(png, f"distribution shift: {name}") for name, png in provider_plots.items())
     cost_plots = ""
-    if by_provider:
-        cost_plots += _img(figures.bars("Generation cost by provider (USD)", dict(by_provider), xlabel="USD"), "cost by provider")
+    if by_endpoint:
+        cost_plots += _img(figures.bars("Generation cost by endpoint (USD)", dict(by_endpoint), xlabel="USD"), "cost by endpoint")
         cost_plots += _img(figures.bars("Generation cost by dataset (USD)", dict(by_dataset), xlabel="USD"), "cost by dataset")
     token_plot = _img(token_histograms(datasets), "tokens and lengths per dataset") if records else ""
     return f"""<!doctype html>

@@ -71,7 +71,7 @@ providers_table = pa.DataFrameSchema(
 
 verdicts_table = pa.DataFrameSchema(
     {
-        "provider": pa.Column(str, unique=True),
+        "provider": pa.Column(str),
         "tag": pa.Column(str, unique=True),
         "declared_quantization": pa.Column(str, pa.Check.isin(QUANTIZATIONS)),
         "verdict": pa.Column(str, pa.Check.isin(VERDICTS)),
@@ -101,18 +101,19 @@ def named(test: Any, name: str) -> pa.Check:
     return pa.Check(test, name=name, error=name)
 
 
-def generated_records(*, max_tokens: int, eligible: Iterable[str], params_sha256: str) -> pa.DataFrameSchema:
-    """``data/generated/<dataset>.jsonl`` (one row per record, flattened by the validator)."""
-    allowed = sorted(set(eligible))
+def generated_records(*, max_tokens: int, eligible: Iterable[tuple[str, str]], params_sha256: str) -> pa.DataFrameSchema:
+    """``data/generated/<dataset>.jsonl`` (one row per record, flattened by the validator);
+    ``eligible``: (endpoint tag, provider name) pairs."""
+    allowed = set(eligible)
     return pa.DataFrameSchema(
         {
             "id": pa.Column(str, pa.Check.str_length(min_value=1), unique=True),
             "roles_ok": pa.Column(bool, named(lambda s: s, "roles_alternate_and_end_with_assistant")),
             "empty_assistant": pa.Column(bool, named(lambda s: ~s, "no_empty_assistant_content")),
-            "providers": pa.Column(
+            "endpoints": pa.Column(
                 object,
                 pa.Check(
-                    lambda s: s.map(lambda p: bool(p) and set(p) <= set(allowed)),
+                    lambda s: s.map(lambda p: bool(p) and set(p) <= allowed),
                     element_wise=False,
                     name="served_by_verified_equivalent_provider",
                 ),

@@ -19,6 +19,12 @@ from quanthunt.gateway import Endpoint
 from quanthunt.params import Budget, Policy, Probes
 
 CANDIDATE = "candidate"
+SENT_PARAMETERS = ("max_tokens", "temperature", "top_p", "seed")
+"""What the later stages send with every request: verification ``max_tokens``,
+``temperature`` and ``seed``; generation also ``top_p``. With ``require_parameters: true``
+an endpoint that does not list one of them answers 404 at generate time. (``logprobs``
+and ``top_logprobs`` go only with logprob-mode probes: an endpoint without them is
+audited in sample mode, ``Endpoint.supports_logprobs``.)"""
 PROVIDER_COLUMNS = (
     "provider", "tag", "declared_quantization", "prompt_usd_per_m", "completion_usd_per_m", "discount",
     "price_note", "status", "uptime_last_30m", "context_length", "max_completion_tokens", "supports_logprobs",
@@ -74,6 +80,9 @@ def _exclusion(endpoint: Endpoint, policy: Policy) -> str | None:
         return "excluded: price above max"
     if policy.max_completion_usd_per_m is not None and completion > policy.max_completion_usd_per_m + 1e-12:
         return "excluded: price above max"
+    unsupported = [p for p in SENT_PARAMETERS if p not in endpoint.supported_parameters]
+    if unsupported:
+        return f"excluded: does not support {', '.join(unsupported)}"
     if policy.require_logprobs and not endpoint.supports_logprobs:
         return "excluded: no logprobs"
     return None
@@ -117,6 +126,7 @@ class Scenario:
 
     scenario: str
     provider: str
+    tag: str
     prompt_usd_per_m: float
     completion_usd_per_m: float
     output_cost_usd: float
@@ -140,6 +150,7 @@ def price_scenario(name: str, row: ProviderRow, budget: Budget) -> Scenario:
     return Scenario(
         scenario=name,
         provider=row.provider,
+        tag=row.tag,
         prompt_usd_per_m=row.prompt_usd_per_m,
         completion_usd_per_m=row.completion_usd_per_m,
         output_cost_usd=round(output_cost, 6),
@@ -168,8 +179,8 @@ def plan_budget(rows: Sequence[ProviderRow], budget: Budget, probes: Probes) -> 
         median_row = next(r for r in candidates if r.completion_usd_per_m == median)
         for name, row in (("cheapest", candidates[0]), ("median", median_row), ("worst", candidates[-1])):
             scenarios.append(price_scenario(name, row, budget))
-    per_provider = {r.provider: round(probe_cost(r, probes), 6) for r in candidates}
-    verification_cost = sum(per_provider.values())
+    per_endpoint = {r.tag: round(probe_cost(r, probes), 6) for r in candidates}
+    verification_cost = sum(per_endpoint.values())
     return {
         "budget_usd": budget.usd,
         "datasets": budget.datasets,
@@ -182,10 +193,10 @@ def plan_budget(rows: Sequence[ProviderRow], budget: Budget, probes: Probes) -> 
             "providers": len(candidates),
             "requests": len(candidates) * probes.prompts * probes.completions_per_prompt,
             "cost_usd": round(verification_cost, 6),
-            "per_provider_usd": per_provider,
+            "per_endpoint_usd": per_endpoint,
         },
         "budget_after_verification_usd": round(budget.usd - verification_cost, 6),
-        "notes": [f"{r.provider}: {r.price_note}" for r in candidates if r.price_note],
+        "notes": [f"{r.tag}: {r.price_note}" for r in candidates if r.price_note],
     }
 
 

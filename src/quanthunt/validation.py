@@ -2,7 +2,8 @@
 
 ``check`` flattens every record into one row, validates the rows with the
 ``generated_records`` schema (ids unique, roles alternating and ending with the
-assistant, no empty answer, every turn served by a verified-equivalent provider,
+assistant, no empty answer, every turn served by a verified-equivalent endpoint (its
+tag and provider name),
 costs, token limits, sampling params), then checks what a row cannot see: the share
 of truncated answers, costs against the ledger, and every line against the sha256 the
 ledger recorded when generation wrote it (edited, added or removed records are named).
@@ -23,7 +24,7 @@ from quanthunt import schemas
 from quanthunt.schemas import Failure
 
 ROW_COLUMNS = (
-    "line", "id", "roles_ok", "empty_assistant", "providers", "verdict", "cost_usd", "prompt_tokens", "completion_tokens",
+    "line", "id", "roles_ok", "empty_assistant", "endpoints", "verdict", "cost_usd", "prompt_tokens", "completion_tokens",
     "max_turn_completion_tokens", "finish_reason", "params_sha256", "turns", "answer",
 )  # fmt: skip
 
@@ -63,7 +64,7 @@ def _row(line: int, entry: Mapping[str, Any]) -> dict[str, Any]:
         "id": str(entry.get("id", "")),
         "roles_ok": roles_in_order(conversation),
         "empty_assistant": any(not a.strip() for a in answers),
-        "providers": sorted({str(t.get("provider")) for t in turns}) if turns else [],
+        "endpoints": sorted({(str(t.get("endpoint_tag")), str(t.get("provider"))) for t in turns}),
         "verdict": str(provenance.get("verdict", "")),
         "cost_usd": float(usage.get("cost_usd", -1.0)),
         "prompt_tokens": int(usage.get("prompt_tokens", -1)),
@@ -84,14 +85,15 @@ def check(
     lines: Sequence[str],
     *,
     max_tokens: int,
-    eligible: Sequence[str],
+    eligible: Sequence[tuple[str, str]],
     params_sha256: str,
     ledger_lines: Mapping[str, str],
     ledger_costs: Mapping[str, float],
     max_truncated_share: float,
     first: int = 5,
 ) -> Checked:
-    """Validate a generated dataset's lines. ``ledger_lines``: record id → sha256 of the line
+    """Validate a generated dataset's lines. ``eligible``: (endpoint tag, provider name) of
+    each verified-equivalent endpoint; ``ledger_lines``: record id → sha256 of the line
     generation wrote; ``ledger_costs``: record id → settled spend in the ledger."""
     found: list[Failure] = []
     records: list[dict[str, Any]] = []
@@ -150,7 +152,7 @@ def check(
         "completion_tokens": sum(r["completion_tokens"] for r in rows),
         "cost_usd": round(total_file, 10),
         "ledger_cost_usd": round(total_ledger, 10),
-        "providers": dict(Counter(p for r in rows for p in r["providers"])),
+        "endpoints": dict(Counter(tag for r in rows for tag, _ in r["endpoints"])),
         "finish_reasons": dict(finish),
         "truncated_share": round(truncated, 4),
         "near_duplicate_share": round(duplicates / n, 4) if n else 0.0,

@@ -19,18 +19,20 @@ def test_survey_writes_its_outputs_and_one_mlflow_run(project: Project, planted_
     assert done.returncode == 0, done.stderr
 
     with (project.root / OUTPUTS[0]).open() as fh:
-        rows = {r["provider"]: r for r in csv.DictReader(fh)}
-    assert rows["Together"]["reason"] == "excluded: declared nvfp4"
-    assert rows["DeepInfra"]["reason"] == "excluded: declared fp4"
-    assert rows["AtlasCloud"]["reason"] == "excluded: status -5"
-    assert rows["Chutes"]["reason"] == "candidate"  # declares unknown: verification decides
-    assert rows["Novita"]["supports_logprobs"] == "False"
-    assert "overrides apply" in rows["DeepInfra"]["price_note"]
+        rows = {r["tag"]: r for r in csv.DictReader(fh)}
+    assert rows["together/nvfp4"]["reason"] == "excluded: declared nvfp4"
+    assert rows["deepinfra/fp4"]["reason"] == "excluded: declared fp4"
+    assert rows["deepinfra/bf16"]["reason"] == "excluded: price above max"  # the same provider's other endpoint
+    assert rows["deepinfra/fp4"]["provider"] == rows["deepinfra/bf16"]["provider"] == "DeepInfra"
+    assert rows["atlascloud/int4"]["reason"] == "excluded: status -5"
+    assert rows["chutes/unknown"]["reason"] == "candidate"  # declares unknown: verification decides
+    assert rows["novita/int4"]["supports_logprobs"] == "False"
+    assert "overrides apply" in rows["deepinfra/fp4"]["price_note"]
     plan = json.loads((project.root / OUTPUTS[1]).read_text())
     assert plan["candidates"] == 6
     assert [s["scenario"] for s in plan["scenarios"]] == ["cheapest", "median", "worst"]
     metrics = json.loads((project.root / OUTPUTS[2]).read_text())
-    assert metrics["candidates"] == 6 and metrics["providers"] == 9
+    assert metrics["candidates"] == 6 and metrics["providers"] == 10
 
     client = project.mlflow()
     experiment = client.get_experiment_by_name("quanthunt")
@@ -39,7 +41,7 @@ def test_survey_writes_its_outputs_and_one_mlflow_run(project: Project, planted_
     tags = run.data.tags
     assert tags["dvc.stage"] == "survey" and tags["git.dirty"] in ("true", "false") and len(tags["git.commit"]) == 40
     assert len(tags["quanthunt.params_sha256"]) == 64
-    assert "Chutes" in tags["candidates"]
+    assert "chutes/unknown" in tags["candidates"].split(",")
     assert run.data.params["model"] == "huggingfacetb/smollm2-135m-instruct"
     assert run.data.params["budget.usd"] == "100.0"
     assert run.data.metrics["candidates"] == 6
