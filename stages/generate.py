@@ -32,6 +32,7 @@ from quanthunt.generation import (
     StopRun,
     params_hash,
     prepare_output,
+    reconcile_earlier,
 )
 from quanthunt.ledger import Ledger, LedgerWriter
 from quanthunt.locking import exclusive
@@ -54,12 +55,12 @@ def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...]
         raise ConfigError(
             f"{root / params.paths.verdicts}: verdicts are for {verdicts.model}, not {params.survey.model}; rerun verify"
         )
-    survey = {r.provider: r for r in read_providers(root / params.paths.survey_providers)}
+    survey = {r.tag: r for r in read_providers(root / params.paths.survey_providers)}
     chosen = []
     for v in verdicts.eligible():
-        row = survey.get(v.provider)
+        row = survey.get(v.tag)
         if row is None:
-            raise ConfigError(f"{root / params.paths.survey_providers}: {v.provider} is verified but missing; rerun the survey")
+            raise ConfigError(f"{root / params.paths.survey_providers}: {v.tag} is verified but missing; rerun the survey")
         chosen.append(
             Eligible(
                 v.provider,
@@ -69,6 +70,7 @@ def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...]
                 row.prompt_usd_per_m / 1e6,
                 row.completion_usd_per_m / 1e6,
                 row.context_length,
+                siblings=tuple(t for t in survey if t != v.tag),
             )
         )
     if not chosen:
@@ -126,13 +128,7 @@ async def run(
         model=params.survey.model,
         sampling=Sampling(g.sampling.temperature, g.sampling.top_p, g.sampling.max_tokens, g.sampling.seed),
         providers=providers,
-        routing=Routing(
-            only=tuple(p.tag for p in providers),
-            allow_fallbacks=False,
-            require_parameters=True,
-            data_collection=g.data_collection,
-            quantizations=g.quantizations,
-        ),
+        routing=Routing(data_collection=g.data_collection, quantizations=g.quantizations),
         params_hash=params_hash,
         run_id=uuid.uuid4().hex,
         max_usd=g.max_usd_per_run,
@@ -170,11 +166,7 @@ async def run(
             AiohttpChat(api_url, api_key=api_key, timeout_s=g.request_timeout_s) as chat,
             Gateway(api_url, api_key=api_key) as gateway,
         ):
-            for attempt_id, generation_id in ledger.unknown_with_generation_id(dataset):
-                try:
-                    ledger.reconcile(attempt_id, (await gateway.generation(generation_id)).total_cost)
-                except Exception:  # noqa: S112 - reconciliation is best effort; the charge stays counted as possible
-                    continue
+            await reconcile_earlier(ledger, dataset, gateway.generation)
             engine = Engine(job, chat, ledger, writer, sink, done_turns=ledger.done_turns(dataset, params_hash))
             engine.progress.records_total = total
             engine.progress.records_done_before = len(repair.done_ids)
@@ -246,6 +238,7 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
                 "retries": dict(progress.retries),
                 "errors": dict(progress.errors),
                 "quarantined": progress.quarantined,
+                "retired_endpoints": progress.retired,
                 "providers": dict(progress.providers),
                 "request_states": counts,
                 "stop_reason": progress.stop_reason,

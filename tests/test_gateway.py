@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,15 +15,21 @@ from fixtures.sandbox import MODEL_ID, provider, roster_dict
 
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import (
+    TRANSIENT,
+    AiohttpChat,
     ApiKey,
     Gateway,
     GatewayError,
     Routing,
     chat_body,
     check_base_url,
+    error_from,
+    parse_chat_reply,
     resolve_api_key,
     retry_after_seconds,
+    same_provider,
 )
+from quanthunt.generation import OUT_OF_MONEY
 from quanthunt.sandbox.app import create_app
 from quanthunt.sandbox.engine import LatencyEngine
 from quanthunt.sandbox.roster import Roster, load_roster
@@ -190,3 +197,106 @@ def test_retry_after_parsing() -> None:
     assert retry_after_seconds("Wed, 02 Dec 2026 12:00:10 GMT", now=1796212800.0) == pytest.approx(10.0)
     assert retry_after_seconds("soon") is None and retry_after_seconds(None) is None
     assert retry_after_seconds("-4") == 0.0
+
+
+def test_a_402_without_a_limit_source_is_out_of_money() -> None:
+    # The spec's own 402 example carries no error.metadata; only the in-flight budget's 402 is worth waiting for.
+    spec_example = error_from(402, "Payment Required", b'{"error": {"code": 402, "message": "Insufficient credits"}}', {}, "x")
+    assert spec_example.kind in OUT_OF_MONEY
+    roster = Roster.model_validate(roster_dict(provider("a"), credits={"default_usd": 0, "limit_source_in_402": False}))
+
+    async def scenario() -> GatewayError:
+        async with in_process(roster) as gw:
+            with pytest.raises(GatewayError) as info:
+                await gw.chat(chat_body(model=MODEL_ID, messages=MESSAGES, max_tokens=4))
+            return info.value
+
+    error = run(scenario())
+    assert error.status == 402 and error.kind in OUT_OF_MONEY
+
+
+def test_an_http_200_with_a_top_level_error_is_a_typed_failure() -> None:
+    roster = Roster.model_validate(roster_dict(provider("a", faults={"error_200": 1.0})))
+
+    async def scenario() -> GatewayError:
+        async with in_process(roster) as gw:
+            with pytest.raises(GatewayError) as info:
+                await gw.chat(chat_body(model=MODEL_ID, messages=MESSAGES, max_tokens=4))
+            return info.value
+
+    error = run(scenario())
+    assert (error.status, error.kind) == (200, "http_502") and error.kind in TRANSIENT
+    assert "Provider returned error" in str(error)
+    with pytest.raises(GatewayError) as info:
+        parse_chat_reply(b'{"error": {"code": "overloaded", "message": "try later"}}', None, "gw")
+    assert (info.value.status, info.value.kind) == (200, "provider_error")
+
+
+def test_generation_lookup_waits_out_the_lag() -> None:
+    roster = Roster.model_validate(roster_dict(provider("a"), generation_lookup_delay_s=1.0))
+
+    async def scenario() -> tuple[float, float, float]:
+        async with in_process(roster) as gw:
+            reply = await gw.chat(chat_body(model=MODEL_ID, messages=MESSAGES, max_tokens=4))
+            assert reply.generation_id and reply.usage is not None and reply.usage.cost
+            record = await gw.generation(reply.generation_id)  # asked at once: 404 for the first second
+            started = time.monotonic()
+            with pytest.raises(GatewayError, match="404"):
+                await gw.generation("gen-never", lag_s=0.3)
+            return record.total_cost, reply.usage.cost, time.monotonic() - started
+
+    looked_up, paid, gave_up_after = run(scenario())
+    assert looked_up == pytest.approx(paid)
+    assert 0.3 <= gave_up_after < 3
+
+
+def test_a_reply_may_name_its_provider_by_slug() -> None:
+    deepinfra = provider("deepinfra", name="DeepInfra", tag="deepinfra/fp4", reply_provider_as="slug")
+    roster = Roster.model_validate(roster_dict(deepinfra))
+
+    async def scenario() -> str | None:
+        async with in_process(roster) as gw:
+            reply = await gw.chat(chat_body(model=MODEL_ID, messages=MESSAGES, max_tokens=4))
+            return reply.provider
+
+    named = run(scenario())
+    assert named == "deepinfra"
+    assert same_provider(named, "DeepInfra", "deepinfra/fp4") and same_provider("DEEPINFRA", "DeepInfra", "deepinfra/fp4")
+    assert not same_provider("Chutes", "DeepInfra", "deepinfra/fp4") and not same_provider(None, "DeepInfra", "deepinfra")
+
+
+def test_a_pin_on_a_base_slug_ignores_its_variants() -> None:
+    base = provider("deepinfra", name="DeepInfra", tag="deepinfra")
+    turbo = provider("deepinfra", name="DeepInfra", tag="deepinfra/turbo", pricing={"prompt": "0", "completion": "0"})
+    roster = Roster.model_validate(roster_dict(base, turbo, provider("chutes")))
+    tags = tuple(p.tag for p in roster.providers)
+    assert Routing().pin("deepinfra", siblings=tags).ignore == ("deepinfra/turbo",)
+    assert Routing().pin("deepinfra/turbo", siblings=tags).ignore is None  # a variant tag names one endpoint
+
+    async def served_by(routing: Routing) -> set[str]:
+        endpoints = set()
+        async with in_process(roster) as gw:
+            for _ in range(8):
+                reply = await gw.chat(chat_body(model=MODEL_ID, messages=MESSAGES, max_tokens=4, routing=routing))
+                assert reply.generation_id
+                record = await gw.generation(reply.generation_id)
+                endpoints |= {str(r["endpoint_id"]) for r in record.provider_responses or []}
+        return endpoints
+
+    assert run(served_by(Routing.pinned("deepinfra"))) == {"deepinfra/turbo"}  # the free variant wins the load balancing
+    assert run(served_by(Routing().pin("deepinfra", siblings=tags))) == {"deepinfra"}
+
+
+def test_a_slow_long_answer_is_waited_for_not_bought_twice(latency_sandbox: Callable[..., SandboxProcess]) -> None:
+    # 40 tokens at 20 tokens/s take 2 s: longer than the 1 s base timeout, within 1 s + 40 tokens at the 10/s floor.
+    sandbox = latency_sandbox(roster_dict(provider("slow", throughput_tps=20)))
+
+    async def scenario() -> tuple[int, float]:
+        async with AiohttpChat(sandbox.api_url, api_key=KEY, timeout_s=1.0) as chat:
+            reply = await chat.chat(chat_body(model=MODEL_ID, messages=MESSAGES, max_tokens=40))
+        stats = httpx.get(f"{sandbox.api_url}/sandbox/stats", headers={"Authorization": f"Bearer {KEY.reveal()}"}).json()
+        assert reply.usage is not None
+        return reply.usage.completion_tokens, stats["key"]["requests_billed"]
+
+    tokens, billed = run(scenario())
+    assert (tokens, billed) == (40, 1)

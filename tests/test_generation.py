@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 from collections.abc import AsyncIterator, Mapping
@@ -25,9 +26,10 @@ HASH = "p" * 64
 PROVIDER = Eligible("Moonshot AI", "moonshotai/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)
 
 
-def job(concurrency: int = 4, *, ramp_up_s: float = 0.0, max_usd: float = 10.0) -> Job:
-    return Job(dataset="chat", model="m", sampling=Sampling(0.7, 1.0, 16, 0), providers=(PROVIDER,),
-               routing=Routing.pinned(PROVIDER.tag), params_hash=HASH, run_id="run", max_usd=max_usd,
+def job(concurrency: int = 4, *, ramp_up_s: float = 0.0, max_usd: float = 10.0,
+        providers: tuple[Eligible, ...] = (PROVIDER,)) -> Job:  # fmt: skip
+    return Job(dataset="chat", model="m", sampling=Sampling(0.7, 1.0, 16, 0), providers=providers,
+               routing=Routing(data_collection="deny"), params_hash=HASH, run_id="run", max_usd=max_usd,
                max_output_tokens=None, concurrency=concurrency, retry=Retry(2, 0.0, 0.0), verification_run_id="v",
                ramp_up_s=ramp_up_s)  # fmt: skip
 
@@ -59,6 +61,31 @@ class SlowChat(FixedCostChat):
         self.sent_at.append(asyncio.get_running_loop().time())
         await asyncio.sleep(self.hold_s)
         return await super().chat(body, on_headers=on_headers)
+
+
+class PinnedChat(FixedCostChat):
+    """Serves the endpoint each request is pinned to; its reply names the provider as
+    ``names[tag]`` says; the first ``empty`` replies have no content (thinking ate max_tokens)."""
+
+    def __init__(self, names: Mapping[str, str], *, empty: int = 0) -> None:
+        super().__init__(0.01)
+        self.names, self.empty = names, empty
+        self.bodies: list[Mapping[str, Any]] = []
+        self.served: dict[str, str] = {}
+        """generation id -> the tag the request was pinned to."""
+
+    async def chat(self, body: Mapping[str, Any], *, on_headers: Any = None) -> ChatReply:
+        self.bodies.append(body)
+        (tag,) = body["provider"]["only"]
+        reply = await super().chat(body, on_headers=on_headers)
+        self.served[reply.id] = tag
+        if self.calls <= self.empty:
+            return dataclasses.replace(reply, provider=self.names[tag], content="", finish_reason="length")
+        return dataclasses.replace(reply, provider=self.names[tag])
+
+
+def lines(output: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in output.read_text().splitlines()]
 
 
 def records(*ids: str) -> list[PromptRecord]:
@@ -184,7 +211,8 @@ def test_a_records_cost_counts_attempts_of_earlier_runs(tmp_path: Path) -> None:
 def test_a_resumed_record_asks_only_for_the_turns_an_earlier_run_did_not_finish(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path / "ledger.sqlite")
     first = RequestKey("chat", "m1", 0, HASH)
-    earlier = {"content": "earlier answer", "reasoning": None, "provider": PROVIDER.name, "generation_id": "gen-old",
+    earlier = {"content": "earlier answer", "reasoning": None, "provider": PROVIDER.name, "endpoint_tag": PROVIDER.tag,
+               "generation_id": "gen-old",
                "finish_reason": "stop", "prompt_tokens": 4, "completion_tokens": 2, "cost_usd": 0.02, "attempts": 1}  # fmt: skip
     with ledger.transaction():
         attempt = ledger.op_start(first, run_id="earlier", reserved_usd=0.1)
@@ -230,3 +258,58 @@ def test_a_stop_during_the_ramp_ends_the_run_without_waiting_it_out(tmp_path: Pa
                      job(concurrency=4, ramp_up_s=60, max_usd=1e-9))  # fmt: skip
     assert ran.engine.progress.stop_reason is not None and "spending cap" in ran.engine.progress.stop_reason
     assert ran.took_s < 10
+
+
+def test_each_turn_names_the_endpoint_of_its_provider_that_served_it(tmp_path: Path) -> None:
+    # One provider, two endpoints; the base slug's pin ignores the variant (or it could land there).
+    base = Eligible("DeepInfra", "deepinfra", "bf16", "equivalent", 1e-6, 2e-6, 8192, siblings=("deepinfra/turbo",))
+    turbo = Eligible("DeepInfra", "deepinfra/turbo", "fp8", "equivalent", 1e-6, 2e-6, 8192, siblings=("deepinfra",))
+    chat = PinnedChat({"deepinfra": "DeepInfra", "deepinfra/turbo": "DeepInfra"})
+    ids = [f"r{i}" for i in range(30)]
+    ran = run_engine(tmp_path, chat, records(*ids), Ledger(tmp_path / "ledger.sqlite"), job(providers=(base, turbo)))
+    written = lines(ran.output)
+    assert {r["id"] for r in written} == set(ids)
+    for record in written:
+        (turn,) = record["provenance"]["turns"]
+        assert turn["endpoint_tag"] == chat.served[turn["generation_id"]] == record["provenance"]["endpoint_tag"]
+        assert turn["provider"] == record["provenance"]["provider"] == "DeepInfra"
+        declared = {"deepinfra": "bf16", "deepinfra/turbo": "fp8"}[turn["endpoint_tag"]]
+        assert record["provenance"]["declared_quantization"] == declared
+    assert set(ran.engine.progress.providers) == {"deepinfra", "deepinfra/turbo"}
+    ignored = {tuple(b["provider"]["only"]): b["provider"].get("ignore") for b in chat.bodies}
+    assert ignored == {("deepinfra",): ["deepinfra/turbo"], ("deepinfra/turbo",): None}
+    assert all(b["provider"]["data_collection"] == "deny" for b in chat.bodies)
+
+
+def test_a_reply_by_slug_is_kept_and_another_provider_retires_the_endpoint(tmp_path: Path) -> None:
+    fireworks = Eligible("Fireworks", "fireworks/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)
+    chat = PinnedChat({PROVIDER.tag: "moonshotai", fireworks.tag: "Chutes"})  # Moonshot AI by its slug; "Fireworks" is not
+    ids = [f"r{i}" for i in range(12)]
+    ran = run_engine(tmp_path, chat, records(*ids), Ledger(tmp_path / "ledger.sqlite"),
+                     job(concurrency=1, providers=(PROVIDER, fireworks)))  # fmt: skip
+    progress = ran.engine.progress
+    assert {r["id"] for r in lines(ran.output)} == set(ids)
+    assert {t["endpoint_tag"] for r in lines(ran.output) for t in r["provenance"]["turns"]} == {PROVIDER.tag}
+    assert [b["provider"]["only"] for b in chat.bodies].count([fireworks.tag]) <= 1  # never asked again after it
+    assert progress.quarantined == len(progress.retired) and set(progress.retired) <= {fireworks.tag}
+
+    everyone_wrong = PinnedChat({PROVIDER.tag: "Chutes", fireworks.tag: "Chutes"})
+    (tmp_path / "b").mkdir()
+    stopped = run_engine(tmp_path / "b", everyone_wrong, records(*ids), Ledger(tmp_path / "b.sqlite"),
+                         job(concurrency=1, providers=(PROVIDER, fireworks)))  # fmt: skip
+    assert everyone_wrong.calls == 2 and not stopped.output.read_text()
+    assert stopped.engine.fatal is not None and stopped.engine.fatal.exit_code == 2
+    assert set(stopped.engine.progress.retired) == {PROVIDER.tag, fireworks.tag}
+
+
+def test_an_empty_answer_is_paid_for_asked_again_and_never_written(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    chat = PinnedChat({PROVIDER.tag: PROVIDER.name}, empty=1)
+    ran = run_engine(tmp_path, chat, records("r1"), ledger)
+    (line,) = lines(ran.output)
+    assert line["conversations"][-1]["content"] == "answer 2"
+    assert line["provenance"]["usage"]["cost_usd"] == pytest.approx(0.02)  # the empty answer was paid for too
+    assert ledger.record_costs("chat", HASH) == pytest.approx({"r1": 0.02})
+    assert ran.engine.progress.errors["empty_answer"] == 1 and ran.engine.progress.retries["empty_answer"] == 1
+    outcomes = list(ledger.db.execute("SELECT outcome, error_kind, cost_usd FROM attempts ORDER BY id"))
+    assert outcomes == [("failed_billed", "empty_answer", 0.01), ("ok", None, 0.01)]

@@ -17,17 +17,26 @@ Shape of a run:
   groups) and only then marks it done with its line's sha256. A restart repairs the gap
   either way.
 
+Routing: every request is pinned to one eligible endpoint (by tag; a provider may have
+several), chosen with weights 1/price² as OpenRouter's own load balancing weighs them, so
+each turn's provenance names the endpoint that served it. A reply naming another
+provider is paid for, quarantined, and retires that endpoint for the run.
+
 Failures: 408/429/5xx, timeouts, resets, malformed bodies and HTTP 200 with
-``finish_reason: "error"`` are retried with exponential backoff and full jitter, honouring
-``Retry-After``; a 429 also pauses every worker (a shared cooldown). 400 fails the request;
-401/403 and 404 ``constraint_filtered`` stop the run (``StopRun``, exit 2); 402 credits or
-key limit, and the run's own cap, stop dispatching (exit 75: top up and rerun).
+``finish_reason: "error"`` or a top-level ``error`` are retried with exponential backoff
+and full jitter, honouring ``Retry-After``; a 429 also pauses every worker (a shared
+cooldown). An answer with no content (a reasoning model's thinking ate ``max_tokens``)
+is paid for, counted as ``empty_answer``, never written, and asked again. 400 fails the request; 401/403 and 404
+``constraint_filtered`` stop the run (``StopRun``, exit 2); any 402 but the in-flight
+budget's (credits, key limit, or no ``limit_source`` at all), and the run's own cap, stop
+dispatching (exit 75: top up and rerun).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hashlib
 import json
@@ -35,7 +44,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,16 +53,18 @@ from typing import Any, Protocol
 import orjson
 
 from quanthunt import __version__
+from quanthunt.defaults import GATEWAY_LIMITS
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
-from quanthunt.gateway import TRANSIENT, ChatReply, GatewayError, Routing, chat_body
+from quanthunt.gateway import TRANSIENT, ChatReply, GatewayError, Generation, Routing, chat_body, same_provider
 from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
 from quanthunt.prompts import PromptRecord, next_request, skeleton
 
 BILLED_UNKNOWN = frozenset({"timeout", "disconnect", "malformed", "unexpected_reply", "transport"})
 """Failures after the request left: the gateway may have generated (and billed) it."""
-RETRYABLE = BILLED_UNKNOWN | TRANSIENT | {"finish_error", "openrouter_in_flight_budget", "http_409", "http_425"}
+RETRYABLE = BILLED_UNKNOWN | TRANSIENT | {"finish_error", "provider_error", "openrouter_in_flight_budget", "http_409", "http_425"}
 STOPPING = {"http_401": "the API key was refused", "http_403": "the API key may not use this model", "constraint_filtered": ""}
 OUT_OF_MONEY = {"openrouter_credits", "openrouter_key_limit"}
+"""A 402 without a ``limit_source`` comes as ``openrouter_credits`` (``gateway.error_from``)."""
 
 
 class StopRun(QuanthuntError):
@@ -67,6 +78,10 @@ class StopRun(QuanthuntError):
 
 class ChatClient(Protocol):
     async def chat(self, body: Mapping[str, Any], *, on_headers: Any = None) -> ChatReply: ...
+
+
+Lookup = Callable[[str], Awaitable[Generation]]
+"""``Gateway.generation``: a generation record by id (waits out the lookup's lag)."""
 
 
 @dataclass(frozen=True)
@@ -85,15 +100,24 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Eligible:
-    """A provider generation may use, as verification judged it."""
+    """An endpoint generation may use, as verification judged it."""
 
     name: str
+    """The provider's name (several endpoints may share it)."""
     tag: str
     declared_quantization: str
     verdict: str
     prompt_usd_per_token: float
     completion_usd_per_token: float
     context_length: int
+    siblings: tuple[str, ...] = ()
+    """The gateway's other endpoint tags (``Routing.pin`` ignores the variants a base slug
+    would also reach)."""
+
+    @property
+    def weight(self) -> float:
+        """OpenRouter's load-balancing weight: 1 / price²."""
+        return 1.0 / max(self.prompt_usd_per_token + self.completion_usd_per_token, 1e-12) ** 2
 
 
 @dataclass(frozen=True)
@@ -116,6 +140,8 @@ class Job:
     sampling: Sampling
     providers: tuple[Eligible, ...]
     routing: Routing
+    """Preferences every request carries (data collection, quantizations); each request
+    is pinned to one endpoint on top of them."""
     params_hash: str
     run_id: str
     max_usd: float
@@ -224,7 +250,10 @@ class Progress:
     retries: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     providers: Counter[str] = field(default_factory=Counter)
+    """Replies by endpoint tag."""
     quarantined: int = 0
+    retired: dict[str, str] = field(default_factory=dict)
+    """Endpoints dropped for the rest of the run (tag -> why)."""
     started: float = field(default_factory=time.monotonic)
     stop_reason: str | None = None
     skipped_reasons: Counter[str] = field(default_factory=Counter)
@@ -357,7 +386,9 @@ class Engine:
         self.rng = random.Random(seed)
         self._stop = asyncio.Event()
         self._fatal: StopRun | None = None
-        self._allowed = {p.name: p for p in job.providers}
+        self._endpoints = {p.tag: p for p in job.providers}
+        self._active = list(job.providers)
+        self._routing = {p.tag: job.routing.pin(p.tag, siblings=p.siblings) for p in job.providers}
         self._unknown_with_id: list[tuple[int, str, float]] = []
         self._record_costs = ledger.unwritten_record_costs(job.dataset, job.params_hash)
         """Settled spend of each record not yet written (all its attempts, earlier runs' too)."""
@@ -478,11 +509,12 @@ class Engine:
                 turn["reasoning_content"] = reply["reasoning"]
             conversation.append(turn)
         providers = sorted({r["provider"] for r in replies})
-        first = self._allowed[replies[0]["provider"]]
+        tags = sorted({r["endpoint_tag"] for r in replies})
+        first = self._endpoints[replies[0]["endpoint_tag"]]
         costs = self._record_costs.get(record.id, 0.0)
         provenance = {
-            "provider": providers[0] if len(providers) == 1 else ",".join(providers),
-            "endpoint_tag": first.tag if len(providers) == 1 else ",".join(self._allowed[p].tag for p in providers),
+            "provider": ",".join(providers),
+            "endpoint_tag": ",".join(tags),
             "declared_quantization": first.declared_quantization,
             "verdict": first.verdict,
             "verification_run_id": self.job.verification_run_id,
@@ -506,6 +538,7 @@ class Engine:
                     k: r[k]
                     for k in (
                         "provider",
+                        "endpoint_tag",
                         "generation_id",
                         "finish_reason",
                         "prompt_tokens",
@@ -531,15 +564,17 @@ class Engine:
         """Send one turn until it succeeds, fails for good or the run stops. On success the
         ledger write of its reply is queued and its future appended to ``committing``."""
         job = self.job
-        body = chat_body(
-            model=job.model, messages=messages, max_tokens=job.sampling.max_tokens, temperature=job.sampling.temperature,
-            top_p=job.sampling.top_p, seed=job.sampling.request_seed(key.record_id, key.turn), routing=job.routing,
-        )  # fmt: skip
         worst = estimate_prompt_tokens(messages) * job.worst_prompt_rate + job.sampling.max_tokens * job.worst_completion_rate
         for attempt in range(1, job.retry.max_attempts + 1):
             await self.cooldown.wait()
             if self._stop.is_set():
                 return None
+            endpoint = self.rng.choices(self._active, weights=[p.weight for p in self._active])[0]
+            body = chat_body(
+                model=job.model, messages=messages, max_tokens=job.sampling.max_tokens,
+                temperature=job.sampling.temperature, top_p=job.sampling.top_p,
+                seed=job.sampling.request_seed(key.record_id, key.turn), routing=self._routing[endpoint.tag],
+            )  # fmt: skip
             if not self.budget.reserve(worst):
                 self.stop(f"the run's spending cap (generate.max_usd_per_run ${job.max_usd:g}) would be exceeded")
                 return None
@@ -562,7 +597,7 @@ class Engine:
                 )
                 continue
             self.progress.in_flight -= 1
-            result = await self._succeeded(key, attempt_id, worst, reply, attempt=attempt, committing=committing)
+            result = await self._succeeded(key, attempt_id, worst, reply, endpoint, attempt=attempt, committing=committing)
             if result is not None:
                 return result
         return None
@@ -607,38 +642,44 @@ class Engine:
         return "stop"
 
     async def _succeeded(
-        self, key: RequestKey, attempt_id: int, worst: float, reply: ChatReply, *, attempt: int,
+        self, key: RequestKey, attempt_id: int, worst: float, reply: ChatReply, endpoint: Eligible, *, attempt: int,
         committing: list[asyncio.Future[Any]],
     ) -> dict[str, Any] | None:  # fmt: skip
+        """Settle a reply. Returns the turn, or None when the reply is paid for but not
+        usable: served by another provider (the endpoint is retired) or without an answer."""
         usage = reply.usage
         cost = usage.cost if usage is not None and usage.cost is not None else worst
         self.budget.settle(worst, cost)
         self._record_costs[key.record_id] = self._record_costs.get(key.record_id, 0.0) + cost
         prompt_tokens = usage.prompt_tokens if usage else 0
         completion_tokens = usage.completion_tokens if usage else 0
-        provider = reply.provider or ""
-        if provider not in self._allowed:
+        finish = functools.partial(
+            self.ledger.op_finish, key, attempt_id, cost_usd=cost, provider=endpoint.tag, generation_id=reply.generation_id,
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        )  # fmt: skip
+        if not same_provider(reply.provider, endpoint.name, endpoint.tag):
+            named = reply.provider or "no provider"
             self.progress.quarantined += 1
             self.progress.errors["quarantined"] += 1
-            await self.writer.write(
-                lambda: self.ledger.op_finish(
-                    key,
-                    attempt_id,
-                    state="quarantined",
-                    outcome="quarantined",
-                    cost_usd=cost,
-                    provider=provider or None,
-                    generation_id=reply.generation_id,
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    error=f"served by {provider or 'an unnamed provider'}, not an eligible provider",
-                )
-            )
+            await self.writer.write(lambda: finish(
+                state="quarantined", outcome="quarantined", error_kind="quarantined",
+                error=f"pinned to {endpoint.tag} ({endpoint.name}), the reply named {named}",
+            ))  # fmt: skip
+            self._retire(endpoint, f"a reply named {named}, not {endpoint.name}")
+            return None
+        if not reply.content.strip():  # a reasoning model's thinking ate max_tokens, or nothing at all
+            self.progress.errors["empty_answer"] += 1
+            self.progress.retries["empty_answer"] += 1
+            await self.writer.write(lambda: finish(
+                state="pending", outcome="failed_billed", error_kind="empty_answer",
+                error=f"no answer (finish_reason {reply.finish_reason}, {completion_tokens} completion tokens)",
+            ))  # fmt: skip
             return None
         result = {
             "content": reply.content,
             "reasoning": reply.reasoning,
-            "provider": provider,
+            "provider": endpoint.name,
+            "endpoint_tag": endpoint.tag,
             "generation_id": reply.generation_id,
             "finish_reason": reply.finish_reason,
             "prompt_tokens": prompt_tokens,
@@ -647,42 +688,64 @@ class Engine:
             "attempts": attempt,
         }
         # Not awaited: the worker goes on while it commits; the record's line waits for it.
-        committed = self.writer.submit(
-            lambda: self.ledger.op_finish(
-                key,
-                attempt_id,
-                state="done",
-                outcome="ok",
-                cost_usd=cost,
-                provider=provider,
-                generation_id=reply.generation_id,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                reply=result,
-            )
-        )
+        committed = self.writer.submit(lambda: finish(state="done", outcome="ok", reply=result))
         committed.add_done_callback(self._committed)
         committing.append(committed)
         self.progress.requests_ok += 1
         self.progress.output_tokens += completion_tokens
-        self.progress.providers[provider] += 1
+        self.progress.providers[endpoint.tag] += 1
         if not self._token_budget_left():
             self.stop("the dataset's output-token budget is reached")
         return result
 
-    async def reconcile(self, lookup: Callable[[str], Any]) -> int:
+    def _retire(self, endpoint: Eligible, why: str) -> None:
+        """Send nothing more to ``endpoint`` this run; with none left, stop (exit 2)."""
+        if endpoint not in self._active:
+            return
+        self._active.remove(endpoint)
+        self.progress.retired[endpoint.tag] = why
+        if not self._active:
+            reasons = "; ".join(f"{tag}: {why}" for tag, why in self.progress.retired.items())
+            hint = "every eligible endpoint answered as another provider"
+            self.stop(hint, fatal=StopRun(f"{hint} ({reasons}); rerun verify", EXIT_BAD_INPUT))
+
+    async def reconcile(self, lookup: Lookup) -> int:
         """Settle this run's unknown-outcome attempts whose generation id is known, from the
         gateway's generation records. Returns how many were reconciled."""
+        records = await look_up([generation_id for _, generation_id, _ in self._unknown_with_id], lookup)
         done = 0
-        for attempt_id, generation_id, reserved in self._unknown_with_id:
-            try:
-                record = await lookup(generation_id)
-            except GatewayError:
-                continue
-            self.ledger.reconcile(attempt_id, record.total_cost)
-            self.budget.reconciled(reserved, record.total_cost)
-            done += 1
+        for (attempt_id, _, reserved), record in zip(self._unknown_with_id, records, strict=True):
+            if record is not None:
+                self.ledger.reconcile(attempt_id, record.total_cost)
+                self.budget.reconciled(reserved, record.total_cost)
+                done += 1
         return done
+
+
+async def look_up(generation_ids: Sequence[str], lookup: Lookup) -> list[Generation | None]:
+    """Every generation record, None where the gateway has none. Asked concurrently (up to
+    ``GATEWAY_LIMITS.max_connections`` at once): each may wait out ``/generation``'s lag."""
+    gate = asyncio.Semaphore(GATEWAY_LIMITS.max_connections or 1)
+
+    async def one(generation_id: str) -> Generation | None:
+        async with gate:
+            try:
+                return await lookup(generation_id)
+            except GatewayError:
+                return None
+
+    return list(await asyncio.gather(*(one(g) for g in generation_ids)))
+
+
+async def reconcile_earlier(ledger: Ledger, dataset: str, lookup: Lookup) -> int:
+    """Settle the unknown-outcome attempts earlier runs left with a generation id (best
+    effort: the charge stays counted as possible where the gateway has no record)."""
+    pending = ledger.unknown_with_generation_id(dataset)
+    records = await look_up([generation_id for _, generation_id in pending], lookup)
+    for (attempt_id, _), record in zip(pending, records, strict=True):
+        if record is not None:
+            ledger.reconcile(attempt_id, record.total_cost)
+    return sum(record is not None for record in records)
 
 
 def _iso(moment: float) -> str:
