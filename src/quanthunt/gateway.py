@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import functools
 import ipaddress
@@ -34,7 +35,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from quanthunt import __version__
 from quanthunt.config_files import one_line
-from quanthunt.defaults import GATEWAY_GET_ATTEMPTS, GATEWAY_GET_BACKOFF_S, GATEWAY_LIMITS, GATEWAY_TIMEOUT, SANDBOX_API_KEY
+from quanthunt.defaults import (
+    GATEWAY_GENERATION_LAG_S,
+    GATEWAY_GET_ATTEMPTS,
+    GATEWAY_GET_BACKOFF_S,
+    GATEWAY_LIMITS,
+    GATEWAY_SLOWEST_TOKENS_PER_S,
+    GATEWAY_TIMEOUT,
+    SANDBOX_API_KEY,
+)
 from quanthunt.errors import ConfigError, QuanthuntError
 from quanthunt.redaction import redact
 from quanthunt.spec import LIMIT_SOURCES
@@ -118,9 +127,12 @@ class GatewayError(QuanthuntError):
     """A request the gateway refused or could not serve.
 
     ``status`` is the HTTP status (0 when no reply arrived); ``kind`` names the failure
-    for retry policies and error counts: ``http_<status>``, ``limit_source`` values,
-    ``constraint_filtered``, ``timeout``, ``connect``, ``disconnect``, ``malformed``,
-    ``finish_error``.
+    for retry policies and error counts: ``http_<status>`` (also for an HTTP 200 whose
+    body is a top-level ``error`` with that code), ``limit_source`` values (a 402 without
+    one is ``openrouter_credits``), ``constraint_filtered``, ``provider_error`` (an HTTP
+    200 error body without an HTTP code), ``timeout``, ``connect``, ``disconnect``,
+    ``malformed``, ``unexpected_reply``, ``finish_error``, ``empty_answer`` (a reply with
+    no content: the generation engine's, paid for and retried).
     """
 
     def __init__(
@@ -158,30 +170,63 @@ def retry_after_seconds(value: str | None, *, now: float | None = None) -> float
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
+def _error_kind(status: int, data: Any) -> tuple[str | None, str]:
+    """(message, kind) of OpenRouter's ``{"error": {...}}`` body answering with ``status``.
+
+    A 402 is out of money (``openrouter_credits``) unless its ``limit_source`` says which
+    limit (the spec's own 402 example carries none; only ``openrouter_in_flight_budget``
+    is worth waiting for); a 404 ``constraint_filtered`` means the routing filters left
+    nothing."""
+    kind = "openrouter_credits" if status == 402 else f"http_{status}"
+    error: Any = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, dict):
+        return None, kind
+    metadata: Any = error.get("metadata") if isinstance(error.get("metadata"), dict) else {}
+    availability: Any = error.get("availability") if isinstance(error.get("availability"), dict) else {}
+    if status == 402 and metadata.get("limit_source") in LIMIT_SOURCES:  # a known value only: kinds name metrics
+        kind = metadata["limit_source"]
+    if availability.get("code") == "constraint_filtered":
+        kind = "constraint_filtered"
+    return str(error.get("message") or "")[:500] or None, kind
+
+
 def error_from(status: int, reason: str, body: bytes, headers: Mapping[str, str], where: str) -> GatewayError:
     """A ``GatewayError`` from an error reply: OpenRouter's ``{"error": {...}}`` body, the
     402 ``limit_source``, the 404 ``constraint_filtered`` code and ``Retry-After``."""
-    message, kind = reason or "error", f"http_{status}"
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
         data = None
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        error = data["error"]
-        message = str(error.get("message") or message)[:500]
-        metadata = error.get("metadata") if isinstance(error.get("metadata"), dict) else {}
-        availability = error.get("availability") if isinstance(error.get("availability"), dict) else {}
-        if metadata.get("limit_source") in LIMIT_SOURCES:  # a known value only: kinds drive retries and metric names
-            kind = metadata["limit_source"]
-        if availability.get("code") == "constraint_filtered":
-            kind = "constraint_filtered"
+    message, kind = _error_kind(status, data)
     lowered = {k.lower(): v for k, v in headers.items()}
     return GatewayError(
-        f"{where} answered {status}: {message}",
+        f"{where} answered {status}: {message or reason or 'error'}",
         status=status,
         kind=kind,
         retry_after_s=retry_after_seconds(lowered.get("retry-after")),
         generation_id=lowered.get("x-generation-id"),
+    )
+
+
+def error_in_200(raw: bytes, generation_id: str | None, where: str) -> GatewayError | None:
+    """An HTTP 200 whose body is a top-level ``{"error": {"code", "message"}}`` and no
+    choices (a provider that failed after the gateway committed to 200): the error its
+    code names (``code: 429`` is ``http_429``, retried as a 429 is), ``provider_error``
+    when the code is not an HTTP status. None for any other body."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("error"), dict) or data.get("choices"):
+        return None
+    code = data["error"].get("code")
+    http_like = isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599
+    message, kind = _error_kind(code if http_like else 200, data)
+    return GatewayError(
+        f"{where} answered 200 with an error ({code if http_like else 'no HTTP code'}): {message or 'no message'}",
+        status=200,
+        kind=kind if http_like else "provider_error",
+        generation_id=generation_id,
     )
 
 
@@ -257,12 +302,22 @@ class Endpoint(_Reply):
 
     @property
     def supports_logprobs(self) -> bool:
-        return "logprobs" in self.supported_parameters
+        """Both ``logprobs`` and ``top_logprobs``: verification sends the two together, and
+        ``require_parameters`` refuses an endpoint missing either."""
+        return {"logprobs", "top_logprobs"} <= set(self.supported_parameters)
 
     def usd_per_million(self) -> tuple[float, float]:
         """(prompt, completion) USD per million tokens after the discount, at default conditions."""
         keep = 1.0 - self.pricing.discount
         return float(self.pricing.prompt) * 1e6 * keep, float(self.pricing.completion) * 1e6 * keep
+
+
+class ModelReasoning(_Reply):
+    """A model's reasoning settings as ``/models`` lists them (``ModelReasoning``)."""
+
+    mandatory: bool
+    """Thinking cannot be turned off (effort ``none`` is refused)."""
+    default_enabled: bool | None = None
 
 
 class _EndpointList(_Reply):
@@ -354,6 +409,8 @@ def parse_chat_reply(raw: bytes, generation_id: str | None, where: str) -> ChatR
     try:
         result = _ChatResult.model_validate_json(raw)
     except ValidationError as exc:
+        if (error := error_in_200(raw, generation_id, where)) is not None:
+            raise error from None
         first = exc.errors()[0]
         field_name = ".".join(str(p) for p in first["loc"]) or "(body)"
         kind = "malformed" if first["type"] == "json_invalid" else "unexpected_reply"
@@ -405,7 +462,34 @@ class Routing:
     @classmethod
     def pinned(cls, tag: str) -> Routing:
         """Exactly one endpoint, no fallbacks, and only if it honours every parameter."""
-        return cls(only=(tag,), allow_fallbacks=False, require_parameters=True)
+        return cls().pin(tag)
+
+    def pin(self, tag: str, *, siblings: Sequence[str] = ()) -> Routing:
+        """These preferences pinned to the endpoint ``tag``. A base slug (``deepinfra``)
+        also names the provider's variant endpoints (``deepinfra/turbo``): those among
+        ``siblings`` (the other tags the gateway lists) are ignored, so the pin cannot
+        land on one of them."""
+        variants = tuple(s for s in siblings if "/" not in tag and s.lower().startswith(f"{tag.lower()}/"))
+        return dataclasses.replace(self, only=(tag,), ignore=variants or None, allow_fallbacks=False, require_parameters=True)
+
+
+def same_provider(named: str | None, provider_name: str, tag: str) -> bool:
+    """Whether a reply's ``provider`` field names the endpoint's provider: OpenRouter
+    spells it as the display name (``DeepInfra``) or the slug (``deepinfra``), in any case."""
+    wanted = (named or "").strip().lower()
+    return bool(wanted) and wanted in (provider_name.lower(), tag.split("/", maxsplit=1)[0].lower())
+
+
+def read_timeout_s(base_s: float, max_tokens: int) -> float:
+    """How long to wait for a non-streamed reply: ``base_s`` (queueing, time to the first
+    token) plus ``max_tokens`` at ``GATEWAY_SLOWEST_TOKENS_PER_S``.
+
+    A reply arrives whole, after the provider wrote its last token, so a fixed timeout
+    would abandon a slow long answer that the gateway still bills, and the retry would
+    buy it a second time. Sizing the wait from ``max_tokens`` keeps the hot path
+    non-streamed (one JSON parse per reply; streaming would parse one event per token)
+    while a provider slower than the floor still counts as failed."""
+    return base_s + max_tokens / GATEWAY_SLOWEST_TOKENS_PER_S
 
 
 def chat_body(
@@ -420,6 +504,7 @@ def chat_body(
     logprobs: bool = False,
     top_logprobs: int | None = None,
     routing: Routing | None = None,
+    reasoning: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A ``ChatRequest`` body; only what is set is sent."""
     body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], "max_tokens": max_tokens}
@@ -431,6 +516,8 @@ def chat_body(
             body["top_logprobs"] = top_logprobs
     if routing is not None:
         body["provider"] = routing.json
+    if reasoning is not None:
+        body["reasoning"] = dict(reasoning)
     return body
 
 
@@ -533,14 +620,49 @@ class Gateway:
                 kind="unexpected_reply",
             ) from None
 
+    async def model_reasoning(self, model: str) -> ModelReasoning | None:
+        """``model``'s reasoning settings from ``GET /models``; None for a model that does
+        not reason (or that the list does not hold: its endpoints call says so)."""
+        body = await self._read_json("GET", "/models")
+        entries = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(entries, list):
+            raise GatewayError(f"{self.host} GET /models: unexpected reply (no data list)", kind="malformed")
+        for entry in entries:
+            if isinstance(entry, dict) and str(entry.get("id", "")).lower() == model.lower() and entry.get("reasoning"):
+                try:
+                    return ModelReasoning.model_validate(entry["reasoning"])
+                except ValidationError:
+                    raise GatewayError(f"{self.host} GET /models: unexpected reasoning object for {model}",
+                                       kind="unexpected_reply") from None  # fmt: skip
+        return None
+
     async def chat(self, body: Mapping[str, Any]) -> ChatReply:
-        """POST ``/chat/completions`` (non-streamed). A 200 whose choice finished with
-        ``error`` raises ``GatewayError(kind="finish_error")``."""
-        reply = await self._request("POST", "/chat/completions", json=body)
+        """POST ``/chat/completions`` (non-streamed; the read timeout grows with
+        ``max_tokens``, see ``read_timeout_s``). A 200 whose choice finished with ``error``
+        raises ``GatewayError(kind="finish_error")``."""
+        timeout = self.timeout
+        if timeout.read is not None:
+            timeout = httpx.Timeout(
+                connect=timeout.connect, read=read_timeout_s(timeout.read, int(body.get("max_tokens") or 0)),
+                write=timeout.write, pool=timeout.pool,
+            )  # fmt: skip
+        reply = await self._request("POST", "/chat/completions", json=body, timeout=timeout)
         return parse_chat_reply(reply.content, reply.headers.get("x-generation-id"), f"{self.host} POST /chat/completions")
 
-    async def generation(self, generation_id: str) -> Generation:
-        body = await self._read_json("GET", "/generation", params={"id": generation_id})
+    async def generation(self, generation_id: str, *, lag_s: float = GATEWAY_GENERATION_LAG_S) -> Generation:
+        """``/generation?id=``. The record appears a moment after the reply: a 404 is asked
+        again, with backoff, until the pauses add up to ``lag_s``."""
+        waited, delay = 0.0, GATEWAY_GET_BACKOFF_S
+        while True:
+            try:
+                body = await self._read_json("GET", "/generation", params={"id": generation_id})
+                break
+            except GatewayError as exc:
+                if exc.kind != "http_404" or waited >= lag_s:
+                    raise
+                pause = min(delay, lag_s - waited)
+                await asyncio.sleep(pause)
+                waited, delay = waited + pause, delay * 2
         try:
             return Generation.model_validate(body["data"])
         except (KeyError, TypeError, ValidationError):
@@ -603,13 +725,18 @@ class AiohttpChat:
             await self._session.close()
 
     async def chat(self, body: Mapping[str, Any], *, on_headers: Any = None) -> ChatReply:
+        """One chat completion; it may take ``read_timeout_s(timeout_s, max_tokens)``."""
         import aiohttp
         import orjson
 
         where = f"{self.host} POST /chat/completions"
         generation_id: str | None = None
+        timeout = aiohttp.ClientTimeout(
+            total=read_timeout_s(self._timeout_s, int(body.get("max_tokens") or 0)), sock_connect=self._connect_timeout_s
+        )
         try:
-            async with self._session.post(f"{self.base_url}/chat/completions", data=orjson.dumps(body)) as reply:
+            async with self._session.post(f"{self.base_url}/chat/completions", data=orjson.dumps(body),
+                                          timeout=timeout) as reply:  # fmt: skip
                 generation_id = reply.headers.get("X-Generation-Id")
                 if generation_id and on_headers is not None:
                     on_headers(generation_id)
