@@ -46,7 +46,7 @@ from quanthunt.verdicts import load_verdicts
 
 
 def generation_params_hash(params: Params) -> str:
-    return params_hash(params.survey.model, params.generate.sampling.model_dump(mode="json"))
+    return params_hash(params.survey.model, params.generate.sampling.model_dump(mode="json"), params.reasoning.mode)
 
 
 def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...], str | None]:
@@ -135,8 +135,9 @@ async def run(
         max_output_tokens=g.max_output_tokens,
         concurrency=g.concurrency,
         ramp_up_s=g.ramp_up_s,
-        retry=Retry(g.retry.max_attempts, g.retry.base_delay_s, g.retry.max_delay_s),
+        retry=Retry(**g.retry.model_dump()),
         verification_run_id=verification_run_id,
+        reasoning=params.reasoning.request(),
     )
     prompts = paths.prompt_file(root, dataset)
     output = root / paths.generated / f"{dataset}.jsonl"

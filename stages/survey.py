@@ -15,18 +15,18 @@ from rich.console import Console
 from rich.table import Table
 
 from quanthunt.connection import open_targets
-from quanthunt.gateway import Endpoint, Gateway, resolve_api_key
+from quanthunt.gateway import Endpoint, Gateway, ModelReasoning, resolve_api_key
 from quanthunt.outputs import Outputs
 from quanthunt.params import load_params
 from quanthunt.sandbox.roster import default_roster_path
-from quanthunt.survey import PROVIDER_COLUMNS, ProviderRow, apply_policy, plan_budget
+from quanthunt.survey import PROVIDER_COLUMNS, ProviderRow, apply_policy, check_reasoning, plan_budget
 from quanthunt.terminal import stage_console
 from quanthunt.tracking import repo_root, stage_run
 
 
-async def fetch_endpoints(api_url: str, model: str) -> list[Endpoint]:
+async def fetch_endpoints(api_url: str, model: str) -> tuple[list[Endpoint], ModelReasoning | None]:
     async with Gateway(api_url, api_key=resolve_api_key(api_url)) as gateway:
-        return await gateway.endpoints(model)
+        return await gateway.endpoints(model), await gateway.model_reasoning(model)
 
 
 def providers_csv(rows: list[ProviderRow]) -> str:
@@ -76,7 +76,8 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
     paths = params.paths
     with stage_run("survey", params=params, section=params.survey, root=root, experiment=params.tracking.experiment) as run:
         with open_targets(params, root=root, stage="survey", needs_model=False) as targets:
-            endpoints = asyncio.run(fetch_endpoints(targets.api_url, params.survey.model))
+            endpoints, reasoning = asyncio.run(fetch_endpoints(targets.api_url, params.survey.model))
+        check_reasoning(params.reasoning.mode, reasoning, params.survey.model)
         rows = apply_policy(endpoints, params.survey.policy)
         plan = plan_budget(rows, params.survey.budget, params.verify.probes)
         candidates = [r for r in rows if r.is_candidate]

@@ -60,7 +60,7 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
         raise ConfigError(f"{root / paths.verdicts}: {table_failures[0].line()}")
     eligible = {v.tag: v for v in verdicts.eligible()}
     sampling = params.generate.sampling
-    hashed = params_hash(params.survey.model, sampling.model_dump(mode="json"))
+    hashed = params_hash(params.survey.model, sampling.model_dump(mode="json"), params.reasoning.mode)
     ledger = Ledger(root / paths.ledger)
     try:
         recorded = ledger.done_records(dataset, hashed)

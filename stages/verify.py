@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import html
-import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from quanthunt import figures
-from quanthunt.connection import open_targets
+from quanthunt.connection import Targets, open_targets
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import Gateway, resolve_api_key
 from quanthunt.outputs import Outputs
@@ -68,7 +67,7 @@ def planned_cost(rows: list[Row], params: Params) -> float:
 
 
 async def audit_all(
-    params: Params, rows: list[Row], probes: list[Probe], api_url: str, reference_url: str
+    params: Params, rows: list[Row], probes: list[Probe], targets: Targets, *, siblings: list[str]
 ) -> tuple[list[Audit], str]:
     p = params.verify.probes
     design = Design(
@@ -80,21 +79,18 @@ async def audit_all(
         temperature=p.temperature,
         top_logprobs=p.top_logprobs,
         max_attempts=params.verify.max_attempts,
+        reasoning=params.reasoning,
     )
     async with (
-        Gateway(api_url, api_key=resolve_api_key(api_url)) as gateway,
-        Reference(reference_url, model=params.reference.model, score_max_tokens=params.reference.score_max_tokens) as reference,
+        Gateway(targets.api_url, api_key=resolve_api_key(targets.api_url)) as gateway,
+        Reference(targets.reference_url, model=params.reference.model) as reference,
     ):
-        reference_model = await reference.model_id()
-        auditor = Auditor(gateway, reference, design, concurrency=params.verify.concurrency)
+        reference_model = (await reference.check()).model
+        auditor = Auditor(gateway, reference, design, concurrency=params.verify.concurrency, siblings=siblings)
         audits = await asyncio.gather(
             *(auditor.audit(r.subject.provider, r.subject.tag, logprobs=r.logprobs, probes=probes) for r in rows)
         )
     return list(audits), reference_model
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def render_report(verdicts: Verdicts, images: dict[str, bytes]) -> str:
@@ -106,7 +102,8 @@ def render_report(verdicts: Verdicts, images: dict[str, bytes]) -> str:
             for t in v.tests
         )
         rows.append(
-            f"<tr class='{v.verdict}'><td>{html.escape(v.provider)}</td><td>{v.declared_quantization}</td><td>{v.mode}</td>"
+            f"<tr class='{v.verdict}'><td>{html.escape(v.provider)}<br><small>{html.escape(v.tag)}</small></td>"
+            f"<td>{v.declared_quantization}</td><td>{v.mode}</td>"
             f"<td><b>{v.verdict}</b><br><small>{html.escape(v.reason)}</small></td><td><small>{effects}</small></td>"
             f"<td><small>{tests}</small></td><td>{', '.join(f'{k} {p:.2f}' for k, p in v.power.items())}</td>"
             f"<td>{v.completions}</td><td>${v.cost_usd:.5f}</td></tr>"
@@ -130,10 +127,10 @@ td,th{{border:1px solid #ccc;padding:4px;vertical-align:top}}
 
 def show(verdicts: Verdicts, console: Console) -> None:
     table = Table(title="Verification", title_justify="left")
-    for column in ("provider", "declares", "mode", "verdict", "reason"):
+    for column in ("provider", "tag", "declares", "mode", "verdict", "reason"):
         table.add_column(column)
     for v in verdicts.providers:
-        table.add_row(v.provider, v.declared_quantization, v.mode, v.verdict, v.reason)
+        table.add_row(v.provider, v.tag, v.declared_quantization, v.mode, v.verdict, v.reason)
     console.print(table)
 
 
@@ -141,7 +138,7 @@ def log_provider_runs(run: StageRun, verdicts: list[ProviderVerdict]) -> list[Pr
     out = []
     for v in verdicts:
         child = run.child(
-            v.provider, {"provider": v.provider, "declared_precision": v.declared_quantization, "verdict": v.verdict}
+            v.tag, {"provider": v.provider, "tag": v.tag, "declared_precision": v.declared_quantization, "verdict": v.verdict}
         )
         child.log_metrics(
             {f"effect.{k}": e.value for k, e in v.effects.items()}
@@ -165,7 +162,8 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
     params = load_params(params_path)
     root = repo_root(params_path)
     paths = params.paths
-    rows = subjects_to_audit(read_survey(root / paths.survey_providers), params)
+    surveyed = read_survey(root / paths.survey_providers)
+    rows = subjects_to_audit(surveyed, params)
     if not rows:
         raise ConfigError(f"{root / paths.survey_providers}: no provider to verify (the survey found no candidate)")
     cost = planned_cost(rows, params)
@@ -175,7 +173,9 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
     probes = select_probes(datasets, count=params.verify.probes.prompts, seed=params.verify.seed)
     with stage_run("verify", params=params, section=params.verify, root=root, experiment=params.tracking.experiment) as run:
         with open_targets(params, root=root, stage="verify", needs_model=True) as targets:
-            audits, reference_model = asyncio.run(audit_all(params, rows, probes, targets.api_url, targets.reference_url))
+            audits, reference_model = asyncio.run(
+                audit_all(params, rows, probes, targets, siblings=[r.subject.tag for r in surveyed])
+            )
         m, d = params.verify.margin, params.verify.decision
         decided = decide(
             [r.subject for r in rows],
@@ -208,28 +208,28 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         images: dict[str, bytes] = {}
         for audit, verdict in zip(audits, verdicts.providers, strict=True):
             series = summary_values(audit)
-            title = f"{verdict.provider} (declares {verdict.declared_quantization}): {verdict.verdict}"
+            title = f"{verdict.tag} (declares {verdict.declared_quantization}): {verdict.verdict}"
             if audit.mode == "logprob":
-                images[verdict.provider] = figures.logprob_audit(title, series["deltas"], series["completion_means"],
-                                                                 margin=m.mean_abs_dlogprob, tail=m.tail_dlogprob)  # fmt: skip
+                images[verdict.tag] = figures.logprob_audit(title, series["deltas"], series["completion_means"],
+                                                            margin=m.mean_abs_dlogprob, tail=m.tail_dlogprob)  # fmt: skip
             else:
-                images[verdict.provider] = figures.sample_audit(title, series["provider"], series["reference"])
+                images[verdict.tag] = figures.sample_audit(title, series["provider"], series["reference"])
         counts = {k: sum(1 for v in verdicts.providers if v.verdict == k) for k in ("equivalent", "different", "inconclusive")}
         metrics = {**counts, "eligible": len(verdicts.eligible()), "cost_usd": verdicts.cost_usd, "probes": len(probes)}
         with Outputs() as out:
             out.write_text(root / paths.verdicts, Verdicts.model_validate(verdicts.model_dump()).model_dump_json(indent=2) + "\n")
-            for name, png in images.items():
-                out.write_bytes(root / paths.verify_plots / f"{slug(name)}.png", png)
+            for tag, png in images.items():
+                out.write_bytes(root / paths.verify_plots / figures.file_name(tag), png)
             out.write_text(root / paths.verify_report, render_report(verdicts, images))
             out.write_json(root / paths.verify_metrics, metrics)
         show(verdicts, console)
         run.log_metrics(metrics)
         run.set_tags(
             {
-                "providers": ",".join(v.provider for v in verdicts.providers),
-                "eligible": ",".join(v.provider for v in verdicts.eligible()),
-                "declared_precision": ",".join(f"{v.provider}={v.declared_quantization}" for v in verdicts.providers),
-                "measured_precision": ",".join(f"{v.provider}={_measured(v)}" for v in verdicts.providers),
+                "providers": ",".join(v.tag for v in verdicts.providers),
+                "eligible": ",".join(v.tag for v in verdicts.eligible()),
+                "declared_precision": ",".join(f"{v.tag}={v.declared_quantization}" for v in verdicts.providers),
+                "measured_precision": ",".join(f"{v.tag}={_measured(v)}" for v in verdicts.providers),
                 "cost_usd": f"{verdicts.cost_usd:.6f}",
             }
         )

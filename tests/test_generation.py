@@ -313,3 +313,13 @@ def test_an_empty_answer_is_paid_for_asked_again_and_never_written(tmp_path: Pat
     assert ran.engine.progress.errors["empty_answer"] == 1 and ran.engine.progress.retries["empty_answer"] == 1
     outcomes = list(ledger.db.execute("SELECT outcome, error_kind, cost_usd FROM attempts ORDER BY id"))
     assert outcomes == [("failed_billed", "empty_answer", 0.01), ("ok", None, 0.01)]
+
+
+def test_an_empty_answer_is_asked_again_with_the_larger_budget_the_params_allow(tmp_path: Path) -> None:
+    """``generate.retry.empty_answer_max_tokens``: the turn whose thinking ate ``max_tokens``
+    is asked again with room for an answer, and its worst case is reserved for it."""
+    chat = PinnedChat({PROVIDER.tag: PROVIDER.name}, empty=1)
+    larger = dataclasses.replace(job(), retry=Retry(3, 0.0, 0.0, empty_answer_max_tokens=64))
+    ran = run_engine(tmp_path, chat, records("r1"), Ledger(tmp_path / "ledger.sqlite"), larger)
+    assert [b["max_tokens"] for b in chat.bodies] == [16, 64]
+    assert lines(ran.output)[0]["conversations"][1]["content"] == "answer 2"

@@ -45,6 +45,8 @@ def with_change(path: str, value: Any) -> dict[str, Any]:
         ("survey.policy.allowed_quantizations", ["int4", "int3"], "unknown quantization 'int3'"),
         ("survey.policy.colour", "red", "survey.policy.colour: unknown key"),
         ("surveyy", {}, "surveyy: unknown key"),
+        ("reasoning.mode", "maybe", "reasoning.mode: Input should be 'none', 'off' or 'on'"),
+        ("reasoning.template_kwargs", {"enable thinking": False}, "reasoning.template_kwargs: Value error, chat template"),
         ("api.base_url", "http://openrouter.ai/api/v1", "plain http is only allowed to a loopback host"),
         ("api.base_url", "ftp://example.com", "must be an http(s) URL"),
         ("api.base_url", "https://user:pw@openrouter.ai/api/v1", "must not carry credentials"),

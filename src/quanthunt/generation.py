@@ -125,6 +125,8 @@ class Retry:
     max_attempts: int
     base_delay_s: float
     max_delay_s: float
+    empty_answer_max_tokens: int | None = None
+    """A turn whose answer came back empty is asked again with at least this budget."""
 
     def delay(self, attempt: int, rng: random.Random) -> float:
         """Exponential backoff with full jitter."""
@@ -153,6 +155,8 @@ class Job:
     verification_run_id: str | None
     ramp_up_s: float = 0.0
     """The first wave is spread over this long: worker k starts after k/concurrency of it."""
+    reasoning: Mapping[str, Any] | None = None
+    """The request's ``reasoning`` object (``Reasoning.request()``: thinking off, or unset)."""
 
     @property
     def worst_prompt_rate(self) -> float:
@@ -167,10 +171,14 @@ class Job:
         return min(p.context_length for p in self.providers)
 
 
-def params_hash(model: str, sampling: Mapping[str, Any]) -> str:
-    """What a record's content depends on: the model and the sampling params. Concurrency,
-    budgets and retry bounds may change between runs without starting a dataset over."""
-    keyed = {"model": model, "sampling": dict(sampling)}
+def params_hash(model: str, sampling: Mapping[str, Any], reasoning: str = "none") -> str:
+    """What a record's content depends on: the model, the sampling params and whether a
+    reasoning model thinks (``reasoning.mode``; ``none`` leaves the hash as it was before
+    the mode existed). Concurrency, budgets and retry bounds may change between runs
+    without starting a dataset over."""
+    keyed: dict[str, Any] = {"model": model, "sampling": dict(sampling)}
+    if reasoning != "none":
+        keyed["reasoning"] = reasoning
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
 
 
@@ -564,21 +572,25 @@ class Engine:
         """Send one turn until it succeeds, fails for good or the run stops. On success the
         ledger write of its reply is queued and its future appended to ``committing``."""
         job = self.job
-        worst = estimate_prompt_tokens(messages) * job.worst_prompt_rate + job.sampling.max_tokens * job.worst_completion_rate
+        max_tokens = job.sampling.max_tokens
+        worst = estimate_prompt_tokens(messages) * job.worst_prompt_rate + max_tokens * job.worst_completion_rate
         for attempt in range(1, job.retry.max_attempts + 1):
             await self.cooldown.wait()
             if self._stop.is_set():
                 return None
             endpoint = self.rng.choices(self._active, weights=[p.weight for p in self._active])[0]
             body = chat_body(
-                model=job.model, messages=messages, max_tokens=job.sampling.max_tokens,
+                model=job.model, messages=messages, max_tokens=max_tokens,
                 temperature=job.sampling.temperature, top_p=job.sampling.top_p,
                 seed=job.sampling.request_seed(key.record_id, key.turn), routing=self._routing[endpoint.tag],
+                reasoning=job.reasoning,
             )  # fmt: skip
             if not self.budget.reserve(worst):
                 self.stop(f"the run's spending cap (generate.max_usd_per_run ${job.max_usd:g}) would be exceeded")
                 return None
-            attempt_id: int = await self.writer.write(lambda: self.ledger.op_start(key, run_id=job.run_id, reserved_usd=worst))
+            attempt_id: int = await self.writer.write(
+                functools.partial(self.ledger.op_start, key, run_id=job.run_id, reserved_usd=worst)
+            )
             self.progress.in_flight += 1
 
             def note(generation_id: str, attempt_id: int = attempt_id) -> None:
@@ -600,6 +612,9 @@ class Engine:
             result = await self._succeeded(key, attempt_id, worst, reply, endpoint, attempt=attempt, committing=committing)
             if result is not None:
                 return result
+            if not reply.content.strip() and (larger := job.retry.empty_answer_max_tokens) and larger > max_tokens:
+                worst += (larger - max_tokens) * job.worst_completion_rate
+                max_tokens = larger
         return None
 
     async def _failed(self, key: RequestKey, attempt_id: int, worst: float, error: GatewayError) -> str:

@@ -111,6 +111,38 @@ class Reference(_Section):
     _check = field_validator("base_url")(check_base_url)
 
 
+class Reasoning(_Section):
+    """How the target model's thinking is handled, by verify and generate alike."""
+
+    mode: Literal["none", "off", "on"] = "none"
+    """``none``: not a reasoning model (nothing is asked). ``off``: thinking disabled on both
+    sides (the gateway's ``reasoning: {effort: "none"}``, the reference's chat template with
+    ``template_kwargs``): answers alone are verified and bought. ``on``: the model thinks;
+    verify teacher-forces prompt + reasoning + ``end_marker`` + answer and aligns over the
+    whole stream, and generated turns keep their reasoning."""
+    template_kwargs: dict[str, Any] = Field(default_factory=lambda: {"thinking": False})
+    """``chat_template_kwargs`` that turn thinking off at the reference (Kimi K2.5:
+    ``thinking: false``; Qwen3: ``enable_thinking: false``)."""
+    end_marker: str = Field(default="</think>\n", min_length=1)
+    """The text between a reply's reasoning and its answer in the model's own output."""
+
+    @field_validator("template_kwargs")
+    @classmethod
+    def _argument_names(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for name in value:
+            if not name.isidentifier():
+                raise ValueError(f"chat template arguments are names, got {one_line(repr(name), 40)}")
+        return value
+
+    def request(self) -> dict[str, str] | None:
+        """The chat request's ``reasoning`` object: effort ``none`` turns thinking off."""
+        return {"effort": "none"} if self.mode == "off" else None
+
+    def reference_kwargs(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` for the reference's tokenize and chat calls."""
+        return dict(self.template_kwargs) if self.mode == "off" else None
+
+
 class Sandbox(_Section):
     roster: str | None = None
     """A roster YAML path; ``null`` is the roster shipped with quanthunt."""
@@ -246,6 +278,9 @@ class GenerateRetry(_Section):
     max_attempts: int = Field(default=6, ge=1, le=100)
     base_delay_s: float = Field(default=0.5, gt=0)
     max_delay_s: float = Field(default=30.0, gt=0)
+    empty_answer_max_tokens: int | None = Field(default=None, ge=1)
+    """``max_tokens`` of a turn asked again after an empty answer (a reasoning model's
+    thinking ate the budget); null: the same budget again."""
 
 
 class Generate(_Section):
@@ -289,6 +324,7 @@ class Params(_Section):
     paths: Paths = Paths()
     api: Api = Api()
     reference: Reference = Reference()
+    reasoning: Reasoning = Reasoning()
     sandbox: Sandbox = Sandbox()
     tracking: Tracking = Tracking()
     datasets: tuple[str, ...] = Field(min_length=1)

@@ -211,7 +211,8 @@ class Reference:
             await self._post(f"{self.base_url}/chat/completions", {"model": model, "max_tokens": 1, "temperature": 0,
                              "messages": list(CHECK_MESSAGES), "logprobs": True})  # fmt: skip
         except GatewayError as exc:
-            raise ReferenceUnusable(f"the reference deployment cannot serve verification: {exc}") from None
+            reason = str(exc) if exc.kind == "connect" else f"the reference deployment cannot serve verification: {exc}"
+            raise ReferenceUnusable(reason) from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ReferenceUnusable(f"reference {self.base_url}: unexpected reply ({exc.__class__.__name__}: {exc})") from None
         self._capabilities = dataclasses.replace(draft, score_max_tokens=score_max_tokens, token_ids=token_ids)

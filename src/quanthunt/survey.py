@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from quanthunt.gateway import Endpoint
+from quanthunt.errors import ConfigError
+from quanthunt.gateway import Endpoint, ModelReasoning
 from quanthunt.params import Budget, Policy, Probes
 
 CANDIDATE = "candidate"
@@ -218,7 +219,6 @@ def _optional_float(text: str | None) -> float | None:
 def read_providers(path: Path) -> list[ProviderRow]:
     """Read ``providers.csv`` back (the verify and generate stages use it); problems are
     one line naming the file and line."""
-    from quanthunt.errors import ConfigError
 
     try:
         with path.open(newline="", encoding="utf-8") as fh:
@@ -255,3 +255,20 @@ def read_providers(path: Path) -> list[ProviderRow]:
         raise ConfigError(f"{path}: providers table not found; run the survey stage first (quanthunt survey)") from None
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise ConfigError(f"{path}: cannot read the providers table ({exc.__class__.__name__})") from None
+
+
+def check_reasoning(mode: str, reasoning: ModelReasoning | None, model: str) -> None:
+    """``reasoning.mode`` must fit the model the gateway describes: a reasoning model needs
+    an explicit choice (off or on), and off only where thinking may be turned off. Raises
+    ``ConfigError`` before anything is paid for."""
+    if reasoning is None:
+        if mode == "on":
+            raise ConfigError(f"reasoning.mode: on, but the gateway lists no reasoning for {model}; set reasoning.mode: none")
+        return
+    if mode == "none":
+        raise ConfigError(
+            f"reasoning.mode: none, but {model} is a reasoning model (the gateway's /models lists its reasoning): "
+            "set reasoning.mode to off (answers only) or on (reasoning verified and kept)"
+        )
+    if mode == "off" and reasoning.mandatory:
+        raise ConfigError(f"reasoning.mode: off, but {model}'s reasoning is mandatory (it cannot be turned off): use on")

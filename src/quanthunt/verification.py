@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from quanthunt import stats
-from quanthunt.gateway import TRANSIENT, ChatReply, Gateway, GatewayError, Routing, TokenLogprob, chat_body
+from quanthunt.gateway import TRANSIENT, ChatReply, Gateway, GatewayError, Routing, TokenLogprob, chat_body, same_provider
+from quanthunt.params import Reasoning
 from quanthunt.prompts import PromptRecord, skeleton
 from quanthunt.reference import PARTIAL, Position, Reference, Scored, canonical_name, merge_by_name
 from quanthunt.verdicts import Estimate, ProviderVerdict, TestResult, Verdict
@@ -93,6 +94,7 @@ class Design:
     temperature: float
     top_logprobs: int
     max_attempts: int
+    reasoning: Reasoning
 
 
 # -- measurements ------------------------------------------------------------------------
@@ -241,8 +243,12 @@ class Auditor:
     """Runs the probes of one stage: gateway and reference clients, a concurrency limit,
     and caches of what every provider shares (prompt token ids, reference samples)."""
 
-    def __init__(self, gateway: Gateway, reference: Reference, design: Design, *, concurrency: int) -> None:
+    def __init__(
+        self, gateway: Gateway, reference: Reference, design: Design, *, concurrency: int, siblings: Sequence[str] = ()
+    ) -> None:
         self.gateway = gateway
+        self.siblings = tuple(siblings)
+        """Every endpoint tag the survey listed (a pin on a base slug ignores its variants)."""
         self.reference = reference
         self.design = design
         self._gate = asyncio.Semaphore(concurrency)
@@ -251,8 +257,11 @@ class Auditor:
 
     async def prompt_ids(self, probe: Probe, errors: Counter[str]) -> list[int]:
         if probe.id not in self._prompt_ids:
+            kwargs = self.design.reasoning.reference_kwargs()
             ids = await with_retries(
-                lambda: self.reference.tokenize_chat(probe.as_messages()), attempts=self.design.max_attempts, errors=errors
+                lambda: self.reference.tokenize_chat(probe.as_messages(), template_kwargs=kwargs),
+                attempts=self.design.max_attempts,
+                errors=errors,
             )
             self._prompt_ids[probe.id] = ids
         return self._prompt_ids[probe.id]
@@ -267,7 +276,8 @@ class Auditor:
             seed=probe_seed(d.seed, probe.id, index),
             logprobs=logprobs,
             top_logprobs=d.top_logprobs if logprobs else None,
-            routing=Routing.pinned(audit.tag),
+            routing=Routing().pin(audit.tag, siblings=self.siblings),
+            reasoning=d.reasoning.request(),
         )
         reply = await with_retries(lambda: self.gateway.chat(body), attempts=d.max_attempts, errors=audit.errors)
         audit.served_by[reply.provider or "(not named)"] += 1
@@ -276,18 +286,44 @@ class Auditor:
             audit.tokens += reply.usage.completion_tokens
         return reply
 
-    async def _score_text(self, probe: Probe, index: int, source: str, text: str, errors: Counter[str]) -> SampledText:
-        prompt = await self.prompt_ids(probe, errors)
+    async def completion_ids(
+        self, text: str, reasoning: str | None, finish_reason: str | None, errors: Counter[str]
+    ) -> list[int]:
+        """The reference's tokens of what the model generated after the prompt: the answer,
+        or with ``reasoning.mode: on`` the reasoning, the end of the thinking block and the
+        answer (the block's end only if the budget left room for an answer)."""
         attempts = self.design.max_attempts
-        ids = await with_retries(lambda: self.reference.tokenize_text(text), attempts=attempts, errors=errors)
+
+        async def tokens(piece: str) -> list[int]:
+            return (
+                await with_retries(lambda: self.reference.tokenize_text(piece), attempts=attempts, errors=errors) if piece else []
+            )
+
+        if self.design.reasoning.mode != "on" or reasoning is None:
+            return await tokens(text)
+        ids = await tokens(reasoning)
+        if text or finish_reason != "length":
+            ids += await tokens(self.design.reasoning.end_marker) + await tokens(text)
+        return ids
+
+    def thought_while_off(self, audit: Audit, reply: ChatReply) -> bool:
+        """A reply that carries reasoning although thinking was turned off (a provider that
+        ignores the switch, or a model whose reasoning is mandatory) cannot be paired."""
+        if self.design.reasoning.mode == "off" and reply.reasoning:
+            audit.errors["reasoning_not_off"] += 1
+            return True
+        return False
+
+    async def _score_text(self, probe: Probe, index: int, source: str, ids: list[int], errors: Counter[str]) -> SampledText:
+        prompt = await self.prompt_ids(probe, errors)
         if not ids:
             return SampledText(probe.id, index, source, [], 0.0)
         scored = await with_retries(
-            lambda: self.reference.score(prompt + ids, top_logprobs=RANK_TOP_K), attempts=attempts, errors=errors
+            lambda: self.reference.score(prompt + ids, top_logprobs=RANK_TOP_K), attempts=self.design.max_attempts, errors=errors
         )
         positions = [p for p in scored.positions[len(prompt) :] if p is not None]
         values = [p.logprob for p in positions]
-        score = rank_score(positions, listed=RANK_TOP_K, seed=f"{probe.id}:{index}:{source}:{text}")
+        score = rank_score(positions, listed=RANK_TOP_K, seed=f"{probe.id}:{index}:{source}:{ids}")
         return SampledText(probe.id, index, source, ids, statistics.fmean(values) if values else 0.0, score, len(values))
 
     async def logprob_completion(self, audit: Audit, probe: Probe, index: int) -> None:
@@ -297,10 +333,11 @@ class Auditor:
                 reply = await self._ask(audit, probe, index, logprobs=True)
                 if not reply.logprobs:
                     raise GatewayError("the provider returned no logprobs", kind="no_logprobs")
+                if self.thought_while_off(audit, reply):
+                    audit.failed += 1
+                    return
                 prompt = await self.prompt_ids(probe, audit.errors)
-                ids = await with_retries(
-                    lambda: self.reference.tokenize_text(reply.content), attempts=self.design.max_attempts, errors=audit.errors
-                )
+                ids = await self.completion_ids(reply.content, reply.reasoning, reply.finish_reason, audit.errors)
                 scored = await with_retries(
                     lambda: self.reference.score(prompt + ids, top_logprobs=self.design.top_logprobs, names=True),
                     attempts=self.design.max_attempts,
@@ -329,11 +366,13 @@ class Auditor:
                         max_tokens=d.max_tokens,
                         temperature=d.temperature,
                         seed=probe_seed(d.seed + 1, probe.id, index),
+                        template_kwargs=d.reasoning.reference_kwargs(),
                     ),
                     attempts=d.max_attempts,
                     errors=errors,
                 )
-                return await self._score_text(probe, index, "reference", sampled.text, errors)
+                ids = await self.completion_ids(sampled.text, sampled.reasoning, sampled.finish_reason, errors)
+                return await self._score_text(probe, index, "reference", ids, errors)
             except GatewayError:
                 return None
 
@@ -342,7 +381,11 @@ class Auditor:
             audit.attempted += 1
             try:
                 reply = await self._ask(audit, probe, index, logprobs=False)
-                audit.sampled.append(await self._score_text(probe, index, "provider", reply.content, audit.errors))
+                if self.thought_while_off(audit, reply):
+                    audit.failed += 1
+                    return
+                ids = await self.completion_ids(reply.content, reply.reasoning, reply.finish_reason, audit.errors)
+                audit.sampled.append(await self._score_text(probe, index, "provider", ids, audit.errors))
             except GatewayError:
                 audit.failed += 1
                 return
@@ -640,7 +683,7 @@ def _finite(value: float) -> float:
 
 
 def _judge(subject: Subject, audit: Audit, tests: _Tests, results: Sequence[TestResult], policy: Policy) -> tuple[Verdict, str]:
-    others = {name: n for name, n in audit.served_by.items() if name != subject.provider}
+    others = {name: n for name, n in audit.served_by.items() if not same_provider(name, subject.provider, subject.tag)}
     if audit.attempted and audit.failed / audit.attempted > policy.max_failed_share:
         kinds = ", ".join(f"{k} ×{n}" for k, n in audit.errors.most_common(3)) or "errors"
         return "inconclusive", f"{audit.failed} of {audit.attempted} probe requests failed ({kinds})"

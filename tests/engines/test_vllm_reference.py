@@ -54,19 +54,19 @@ def assert_true_to_the_roster(verdicts: dict[str, tuple[str, str]]) -> None:
             assert verdict != "different", tag
 
 
-def test_a_real_vllm_reference_gives_the_sandbox_references_verdicts(project: Project, vllm: VllmServer) -> None:
-    with_sandbox = verdicts_of(project, "sandbox reference")
+def test_a_real_vllm_and_an_sglang_flavoured_reference_give_the_sandbox_references_verdicts(
+    project: Project, vllm: VllmServer
+) -> None:
+    """One audit per reference (three runs of the same params on the same roster): the real
+    vLLM server, then the sandbox's reference as SGLang answers, against the sandbox's own."""
+    with_sandbox = verdicts_of(project, "sandbox reference (vllm flavour)")
+    assert_true_to_the_roster(with_sandbox)
+
     project.set_param("reference.base_url", vllm.base_url)
-    with_vllm = verdicts_of(project, "vLLM reference")
-    assert with_vllm == with_sandbox
-    assert_true_to_the_roster(with_vllm)
+    assert verdicts_of(project, "vLLM reference") == with_sandbox
 
-
-def test_the_sglang_flavoured_reference_gives_the_same_verdicts(project: Project) -> None:
-    with_vllm_flavour = verdicts_of(project, "sandbox reference (vllm flavour)")
+    project.set_param("reference.base_url", "sandbox")
     roster = yaml.safe_load(default_roster_path().read_text()) | {"reference_flavour": "sglang"}
     (project.root / "sglang.yaml").write_text(yaml.safe_dump(roster))
     project.set_param("sandbox.roster", "sglang.yaml")
-    with_sglang = verdicts_of(project, "sandbox reference (sglang flavour)")
-    assert with_sglang == with_vllm_flavour
-    assert_true_to_the_roster(with_sglang)
+    assert verdicts_of(project, "sandbox reference (sglang flavour)") == with_sandbox

@@ -4,10 +4,16 @@ verdicts that match it, and the same verdicts when run again with the same param
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
+import httpx
 import pytest
 import yaml
 from fixtures.project import Project
+from fixtures.sandbox import AUTH, roster_dict
+from fixtures.sandbox import provider as roster_provider
+
+from quanthunt.sandbox.server import SandboxProcess
 
 pytestmark = pytest.mark.model
 
@@ -53,7 +59,7 @@ def test_verdicts_match_the_roster_and_repeat(small: Project) -> None:
         assert provider["mlflow_run_id"]
         if provider["mode"] == "logprob":
             assert provider["served_by"] == {provider["provider"]: provider["completions"] + provider["failed_requests"]}
-    assert (small.root / "reports/verify/plots/chutes.png").read_bytes()[:4] == b"\x89PNG"
+    assert (small.root / "reports/verify/plots/chutes-unknown.png").read_bytes()[:4] == b"\x89PNG"
     assert "Chutes" in (small.root / "reports/verify/report.html").read_text()
 
     client = small.mlflow()
@@ -85,3 +91,70 @@ def test_missing_survey_output_is_a_clear_error(project: Project) -> None:
     done = project.run("verify", "--params", "params.yaml")
     assert done.returncode == 2
     assert "providers table not found; run the survey stage first" in done.stderr
+
+
+def test_a_reference_that_cannot_score_is_named_before_any_paid_request(
+    project: Project, latency_sandbox: Callable[..., SandboxProcess]
+) -> None:
+    """Pointed at a server that is no reference deployment (here an OpenRouter API: it lists
+    models but has no tokenize route), verify stops with one line naming the reference and
+    the routes it tried, exit 2, before a single chat request is sent (before: every probe
+    was bought, then every provider ended ``inconclusive``)."""
+    sandbox = latency_sandbox(roster_dict(roster_provider("alpha"), roster_provider("beta")))
+    project.set_param("api.base_url", sandbox.api_url)
+    project.set_param("reference.base_url", sandbox.api_url)
+    assert project.run("survey", "--params", "params.yaml").returncode == 0
+    done = project.run("verify", "--params", "params.yaml")
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert sandbox.api_url in last and "POST /api/tokenize answered 404" in last and "POST /api/v1/tokenize answered 404" in last
+    assert httpx.get(f"{sandbox.api_url}/sandbox/stats", headers=AUTH).json()["requests"] == 0
+    assert not (project.root / "reports/verify/verdicts.json").exists()
+
+
+def reasoning_sandbox(project: Project, start: Callable[..., SandboxProcess], **profile: object) -> SandboxProcess:
+    """A latency-mode gateway and reference whose model thinks (the reasoning profile)."""
+    model = {"reasoning": {"think_tokens": 3, **profile}}
+    providers = (roster_provider("alpha"), roster_provider("beta", supports_logprobs=False))
+    sandbox = start(roster_dict(*providers, model=model))
+    project.set_param("api.base_url", sandbox.api_url)
+    project.set_param("reference.base_url", sandbox.reference_url)
+    project.set_param("verify.probes.prompts", 12)
+    return sandbox
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_a_reasoning_model_is_audited_over_the_stream_it_was_asked_for(
+    project: Project, latency_sandbox: Callable[..., SandboxProcess], mode: str
+) -> None:
+    """Thinking off: the gateway is asked for no reasoning and the reference renders the
+    template with thinking off; on: reasoning, the end of the thinking block and the answer
+    are scored as one stream. Either way every probe pairs and none fails."""
+    reasoning_sandbox(project, latency_sandbox)
+    project.set_param("reasoning.mode", mode)
+    assert project.run("survey", "--params", "params.yaml").returncode == 0
+    done = project.run("verify", "--params", "params.yaml")
+    assert done.returncode == 0, done.stderr
+    verdicts = json.loads((project.root / "reports/verify/verdicts.json").read_text())
+    for audited in verdicts["providers"]:
+        assert audited["failed_requests"] == 0 and audited["errors"] == {}, audited
+        assert audited["completions"] >= 12, audited
+    logprob = next(p for p in verdicts["providers"] if p["mode"] == "logprob")
+    assert logprob["verdict"] == "equivalent", logprob["reason"]  # synthetic logprobs: identical once paired
+
+
+@pytest.mark.parametrize(
+    ("mode", "mandatory", "message"),
+    [
+        ("none", False, "is a reasoning model"),
+        ("off", True, "reasoning is mandatory (it cannot be turned off): use on"),
+    ],
+)
+def test_a_reasoning_mode_that_does_not_fit_the_model_stops_the_survey(
+    project: Project, latency_sandbox: Callable[..., SandboxProcess], mode: str, mandatory: bool, message: str
+) -> None:
+    reasoning_sandbox(project, latency_sandbox, mandatory=mandatory)
+    project.set_param("reasoning.mode", mode)
+    done = project.run("survey", "--params", "params.yaml")
+    assert done.returncode == 2
+    assert message in done.stderr.strip().splitlines()[-1]

@@ -9,6 +9,7 @@ schemas derived from it); the facts the spec omits (402 ``limit_source``, HTTP 2
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import secrets
@@ -29,11 +30,12 @@ from starlette.types import Receive, Scope, Send
 
 from quanthunt.defaults import SANDBOX_GENERATIONS_KEPT
 from quanthunt.sandbox import faults as fault_kinds
+from quanthunt.sandbox import thinking
 from quanthunt.sandbox.billing import Billing, Refusal, key_digest, key_label
 from quanthunt.sandbox.engine import Completion, Engine, SamplingRequest
 from quanthunt.sandbox.faults import MisbehavingResponse
 from quanthunt.sandbox.reference_api import reference_routes
-from quanthunt.sandbox.render import error_response, logprob_item, text_deltas
+from quanthunt.sandbox.render import error_response, logprob_items, text_deltas
 from quanthunt.sandbox.requests import BadRequest, ChatParams, parse_chat, parse_json_object
 from quanthunt.sandbox.roster import Provider, Roster
 from quanthunt.sandbox.routing import NoEndpoint, route
@@ -165,7 +167,7 @@ class Sandbox:
         self.billing = Billing(roster.credits)
         self.generations: OrderedDict[str, _Generation] = OrderedDict()
         self.rng = random.Random(roster.seed)
-        self.buckets = {p.slug: TokenBucket(p.rate_limit.rps, p.rate_limit.burst) for p in roster.providers if p.rate_limit}
+        self.buckets = {p.tag: TokenBucket(p.rate_limit.rps, p.rate_limit.burst) for p in roster.providers if p.rate_limit}
         self.stats = Stats()
         self.started = time.time()
 
@@ -202,7 +204,7 @@ class Sandbox:
         """A fault of the gateway itself (``roster.gateway_faults``), or None."""
         faults = self.roster.gateway_faults
         kind = fault_kinds.draw(faults, self.rng)
-        if kind is None or kind == "finish_error":
+        if kind is None or kind in fault_kinds.CHAT_ONLY:
             return None
         self.stats.faults[f"gateway:{kind}"] += 1
         if kind in fault_kinds.BEFORE_GENERATION:
@@ -292,6 +294,9 @@ class Sandbox:
             "supported_voices": None,
             "links": {"details": f"/api/v1/models/{author}/{slug}/endpoints"},
         }
+        if model.reasoning is not None:  # ModelReasoning: thinking is on unless turned off, where allowed
+            entry["reasoning"] = {"mandatory": model.reasoning.mandatory, "default_enabled": True,
+                                  "default_effort": "medium", "supported_efforts": ["high", "medium", "low", "none"]}  # fmt: skip
         return JSONResponse({"data": [entry], "total_count": 1, "links": {"next": None}})
 
     async def list_endpoints(self, request: Request) -> Response:
@@ -418,7 +423,10 @@ class Sandbox:
             return error_response(exc.status, str(exc))
         if params.model.lower() != self.roster.model.id:
             return error_response(400, f"{params.model} is not a valid model ID")
-        prompt_ids = self.engine.encode_chat(params.messages)
+        thinking_profile = self.roster.model.reasoning
+        if thinking_profile is not None and thinking_profile.mandatory and not params.thinking:
+            return error_response(400, f"Reasoning is mandatory for {params.model} and cannot be disabled")
+        prompt_ids = thinking.prompt_ids(self.engine, params.messages, thinking_profile, enabled=params.thinking)
         limit = min(self.roster.model.context_length, self.engine.context_length)
         if len(prompt_ids) + params.max_tokens > limit:
             return error_response(
@@ -445,7 +453,9 @@ class Sandbox:
             reserved = self.billing.reserve(key, worst)
         except Refusal as refusal:
             headers = {"Retry-After": f"{refusal.retry_after_s:g}"} if refusal.retry_after_s else None
-            return error_response(402, str(refusal), metadata={"limit_source": refusal.limit_source}, headers=headers)
+            named = refusal.limit_source == "openrouter_in_flight_budget" or self.roster.credits.limit_source_in_402
+            return error_response(402, str(refusal), metadata={"limit_source": refusal.limit_source} if named else None,
+                                  headers=headers)  # fmt: skip
         call = _Call(key=key, reserved=reserved, params=params, prompt_ids=prompt_ids)
         try:
             return await self._attempts(call, candidates)
@@ -457,10 +467,14 @@ class Sandbox:
         """Try each candidate in order until one serves (fallbacks), as OpenRouter does."""
         failure: Response | None = None
         for provider in candidates:
-            wait_s = self.buckets[provider.slug].take() if provider.slug in self.buckets else 0.0
+            wait_s = self.buckets[provider.tag].take() if provider.tag in self.buckets else 0.0
             fault = "rate_limit" if wait_s > 0 else fault_kinds.draw(provider.faults, self.rng)
             if fault:
-                self.stats.faults[f"{provider.slug}:{fault}"] += 1
+                self.stats.faults[f"{provider.tag}:{fault}"] += 1
+            if fault == "error_200":  # the provider failed after the gateway committed to 200: no fallback
+                call.attempts.append(self._attempt(call, provider, 502))
+                error = {"code": 502, "message": fault_kinds.ERROR_MESSAGE[502], "metadata": {"provider_name": provider.name}}
+                return JSONResponse({"error": error})
             if fault in fault_kinds.BEFORE_GENERATION:
                 status = fault_kinds.ERROR_STATUS[fault]
                 call.attempts.append(self._attempt(call, provider, status))
@@ -503,17 +517,21 @@ class Sandbox:
         if fault == "finish_error":
             completion = Completion(text="", tokens=[], finish_reason="error", prompt_tokens=len(prompt_ids))
         else:
-            completion = await self.engine.complete(
-                precision, sampling, pace=(provider.latency_ms / 1000, provider.throughput_tps)
-            )
+            completion = await thinking.complete(
+                self.engine, precision, sampling, self.roster.model.reasoning, enabled=params.thinking,
+                pace=(provider.latency_ms / 1000, provider.throughput_tps),
+            )  # fmt: skip
+        if fault == "empty_answer":  # every token went to reasoning
+            completion = dataclasses.replace(completion, text="", reasoning=completion.text, finish_reason="length",
+                                             reasoning_tokens=len(completion.tokens))  # fmt: skip
         completion_tokens = len(completion.tokens)
         billed = fault != "connection_reset" and completion_tokens > 0
         cost = provider.pricing.cost(len(prompt_ids), completion_tokens) if billed else 0.0
         self.billing.settle(call.key, call.reserved, cost)
         call.settled = True
-        self.stats.served[provider.slug] += 1
+        self.stats.served[provider.tag] += 1
         self.stats.precisions[precision] += 1
-        status = 200 if fault in (None, "timeout", "malformed_json", "truncated_body") else 502
+        status = 200 if fault in (None, "timeout", "malformed_json", "truncated_body", "empty_answer") else 502
         call.attempts.append(self._attempt(call, provider, status))
         reply = _Reply(
             provider=provider,
@@ -525,9 +543,9 @@ class Sandbox:
                 "cost": cost,
                 "is_byok": False,
                 "prompt_tokens_details": {"cached_tokens": 0},
-                "completion_tokens_details": {"reasoning_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": completion.reasoning_tokens},
             },
-            logprobs=params.logprobs and provider.supports_logprobs,
+            logprobs=params.logprobs and provider.supports_logprobs and fault != "empty_answer",
         )
         self.remember(self._generation_record(call, reply))
         headers = {"X-Generation-Id": call.gen_id}
@@ -566,9 +584,16 @@ class Sandbox:
             "index": 0,
             "finish_reason": completion.finish_reason,
             "native_finish_reason": completion.finish_reason,
-            "message": {"role": "assistant", "content": completion.text, "refusal": None, "reasoning": None},
+            "message": {
+                "role": "assistant",
+                "content": completion.text or (None if completion.reasoning is not None else ""),
+                "refusal": None,
+                "reasoning": completion.reasoning,
+            },
             "logprobs": {
-                "content": [logprob_item(t, as_ids=call.params.return_token_ids) for t in completion.tokens],
+                "content": logprob_items(
+                    completion.tokens, as_ids=call.params.return_token_ids, top_logprobs=call.params.top_logprobs
+                ),
                 "refusal": None,
             }
             if reply.logprobs
@@ -582,7 +607,7 @@ class Sandbox:
             }
         return {
             "id": call.gen_id,
-            "provider": reply.provider.name,
+            "provider": reply.provider.reply_name,
             "model": self.roster.model.id,
             "object": "chat.completion",
             "created": int(time.time()),
@@ -596,17 +621,25 @@ class Sandbox:
         completion, as_ids = reply.completion, call.params.return_token_ids
         base = {
             "id": call.gen_id,
-            "provider": reply.provider.name,
+            "provider": reply.provider.reply_name,
             "model": self.roster.model.id,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
         }
 
+        items = logprob_items(completion.tokens, as_ids=as_ids, top_logprobs=call.params.top_logprobs)
+        # Reasoning tokens stream as ``reasoning`` deltas (the end of the thinking block as
+        # empty ones), the answer's as ``content``.
+        split = completion.reasoning_tokens
+        thought = dataclasses.replace(completion, text=completion.reasoning or "", tokens=completion.tokens[:split])
+        answer = dataclasses.replace(completion, tokens=completion.tokens[split:])
+        deltas = [("reasoning", p) for p in text_deltas(thought)][:split] + [("content", p) for p in text_deltas(answer)]
+
         async def events() -> AsyncIterator[str]:
-            for token, piece in zip(completion.tokens, text_deltas(completion), strict=False):
-                choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": piece}, "finish_reason": None}
+            for item, (field_name, piece) in zip(items, deltas, strict=False):
+                choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", field_name: piece}, "finish_reason": None}
                 if reply.logprobs:
-                    choice["logprobs"] = {"content": [logprob_item(token, as_ids=as_ids)], "refusal": None}
+                    choice["logprobs"] = {"content": [item], "refusal": None}
                 yield f"data: {orjson.dumps({**base, 'choices': [choice]}).decode()}\n\n"
             if fault == "malformed_json":
                 yield 'data: {"id": "' + call.gen_id + '", "choices": [\n\n'

@@ -17,6 +17,9 @@ from typing import Protocol
 
 from quanthunt.errors import SandboxError
 
+REFERENCE_PRECISION = "int4-native"
+"""What the reference deployment serves: the shipped weights in fp32."""
+
 
 @dataclass(frozen=True)
 class SamplingRequest:
@@ -58,6 +61,10 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     synthetic_logprobs: bool = False
+    reasoning: str | None = None
+    """The reasoning profile's thinking (``sandbox/thinking.py``)."""
+    reasoning_tokens: int = 0
+    """How many of ``tokens`` lead the answer: the reasoning and the end of its block."""
 
 
 class Engine(Protocol):
@@ -79,7 +86,11 @@ class Engine(Protocol):
         tokens/s); the model engine runs at its own speed and ignores it."""
         ...
 
-    async def score(self, ids: Sequence[int], *, top_logprobs: int) -> list[OutToken | None]: ...
+    async def score(
+        self, ids: Sequence[int], *, top_logprobs: int, precision: str = REFERENCE_PRECISION
+    ) -> list[OutToken | None]:
+        """Teacher-forced logprobs of ``ids`` at ``precision`` (the first token: None)."""
+        ...
 
 
 _CANNED_WORDS = (
@@ -179,8 +190,10 @@ class LatencyEngine:
             synthetic_logprobs=True,
         )
 
-    async def score(self, ids: Sequence[int], *, top_logprobs: int) -> list[OutToken | None]:
-        """The synthetic reference: every token after the first scores -0.5."""
+    async def score(
+        self, ids: Sequence[int], *, top_logprobs: int, precision: str = REFERENCE_PRECISION
+    ) -> list[OutToken | None]:
+        """The synthetic reference (at every precision): every token after the first scores -0.5."""
         scored: list[OutToken | None] = [None]
         for token_id in list(ids)[1:]:
             info = self.token_info(token_id)

@@ -17,7 +17,7 @@ import torch
 
 from quanthunt.defaults import SANDBOX_BATCH_WINDOW_S, SANDBOX_MAX_BATCH
 from quanthunt.errors import SandboxError
-from quanthunt.sandbox.engine import Completion, OutToken, SamplingRequest, TokenInfo
+from quanthunt.sandbox.engine import REFERENCE_PRECISION, Completion, OutToken, SamplingRequest, TokenInfo
 from quanthunt.sandbox.model import PrecisionStore, load_reference
 from quanthunt.sandbox.sampler import Sample, Sampler, TokenLogprob
 
@@ -230,6 +230,8 @@ class ModelEngine:
             prompt_tokens=len(request.prompt_ids),
         )
 
-    async def score(self, ids: Sequence[int], *, top_logprobs: int) -> list[OutToken | None]:
-        scored = await asyncio.wrap_future(self._batcher.submit("score", "int4-native", (list(ids), top_logprobs)))
+    async def score(
+        self, ids: Sequence[int], *, top_logprobs: int, precision: str = REFERENCE_PRECISION
+    ) -> list[OutToken | None]:
+        scored = await asyncio.wrap_future(self._batcher.submit("score", precision, (list(ids), top_logprobs)))
         return [None if s is None else self._out(s) for s in scored]

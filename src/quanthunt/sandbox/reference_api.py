@@ -31,13 +31,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from quanthunt.errors import SandboxError
-from quanthunt.sandbox.engine import Engine, OutToken, SamplingRequest, TokenInfo
+from quanthunt.sandbox import thinking
+from quanthunt.sandbox.engine import REFERENCE_PRECISION, Engine, OutToken, SamplingRequest, TokenInfo
 from quanthunt.sandbox.render import ContextNames, logprob_items
 from quanthunt.sandbox.requests import BadRequest, parse_chat, parse_json_object, parse_messages, parse_stop
 from quanthunt.sandbox.roster import Roster
 from quanthunt.spec import MAX_TOP_LOGPROBS
-
-REFERENCE_PRECISION = "int4-native"
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -56,6 +55,14 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
         model = data.get("model", model_id)
         if not isinstance(model, str) or model.lower() != model_id:
             raise BadRequest(f"The model `{model}` does not exist.", status=404)
+
+    def thinking_enabled(data: dict[str, Any]) -> bool:
+        """The reasoning profile's switch, as a chat template reads it (default: on)."""
+        kwargs = data.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise BadRequest("chat_template_kwargs must be an object")
+        profile = roster.model.reasoning
+        return profile is None or bool(kwargs.get(profile.template_kwarg, True))
 
     def seed_of(data: dict[str, Any]) -> int:
         seed = data.get("seed")
@@ -86,7 +93,8 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
             data = parse_json_object(await request.body())
             check_model(data)
             params = parse_chat(data, allow_provider=False)
-            prompt_ids = engine.encode_chat(params.messages)
+            enabled = thinking_enabled(data)
+            prompt_ids = thinking.prompt_ids(engine, params.messages, roster.model.reasoning, enabled=enabled)
             sampling = SamplingRequest(
                 prompt_ids=tuple(prompt_ids),
                 max_tokens=params.max_tokens,
@@ -96,7 +104,7 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
                 top_logprobs=params.top_logprobs,
                 stop=params.stop,
             )
-            completion = await engine.complete(REFERENCE_PRECISION, sampling)
+            completion = await thinking.complete(engine, REFERENCE_PRECISION, sampling, roster.model.reasoning, enabled=enabled)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         except SandboxError as exc:
@@ -113,7 +121,7 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": completion.text},
+                        "message": {"role": "assistant", "content": completion.text, "reasoning": completion.reasoning},
                         "logprobs": {
                             "content": logprob_items(
                                 completion.tokens, as_ids=params.return_token_ids, top_logprobs=params.top_logprobs
@@ -205,7 +213,11 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
             check_model(data)
             if "messages" in data and not sglang:
                 add = data.get("add_generation_prompt", True)
-                ids = engine.encode_chat(parse_messages(data["messages"]), add_generation_prompt=bool(add))
+                messages = parse_messages(data["messages"])
+                if add and roster.model.reasoning is not None:
+                    ids = thinking.prompt_ids(engine, messages, roster.model.reasoning, enabled=thinking_enabled(data))
+                else:
+                    ids = engine.encode_chat(messages, add_generation_prompt=bool(add))
             elif isinstance(data.get("prompt"), str):
                 ids = engine.encode_text(data["prompt"])
             else:

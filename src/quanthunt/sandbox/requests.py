@@ -119,6 +119,21 @@ class ChatParams:
     parameters: set[str] = field(default_factory=set)
     """Sampling parameters the request set (what ``require_parameters`` checks)."""
     return_token_ids: bool = False
+    thinking: bool = True
+    """A reasoning model thinks unless the request turns it off (``reasoning: {effort:
+    "none"}``, ``{enabled: false}`` or ``reasoning_effort: "none"``)."""
+
+
+def parse_thinking(data: dict[str, Any]) -> bool:
+    """Whether the request leaves thinking on (OpenRouter's ``reasoning`` object)."""
+    reasoning = data.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise BadRequest("reasoning must be an object")
+    reasoning = reasoning or {}
+    enabled = reasoning.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise BadRequest("reasoning.enabled must be a boolean")
+    return enabled and "none" not in (reasoning.get("effort"), data.get("reasoning_effort"))
 
 
 def parse_chat(data: dict[str, Any], *, allow_provider: bool = True) -> ChatParams:
@@ -169,4 +184,5 @@ def parse_chat(data: dict[str, Any], *, allow_provider: bool = True) -> ChatPara
         preferences=preferences,
         parameters=parameters,
         return_token_ids=bool(data.get("return_tokens_as_token_ids", False)),
+        thinking=parse_thinking(data),
     )

@@ -12,6 +12,7 @@ import functools
 import math
 from importlib import resources
 from pathlib import Path
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -122,6 +123,11 @@ class Faults(_Strict):
     """HTTP 200 whose body stops half-way (billed)."""
     finish_error: float = Field(default=0.0, ge=0, le=1)
     """HTTP 200 with ``finish_reason: "error"`` and no output (not billed)."""
+    error_200: float = Field(default=0.0, ge=0, le=1)
+    """HTTP 200 whose body is a top-level ``{"error": {"code": 502, ...}}``, no choices (not billed)."""
+    empty_answer: float = Field(default=0.0, ge=0, le=1)
+    """A reasoning model's thinking ate ``max_tokens``: ``content: null``, ``finish_reason:
+    "length"``, the tokens in ``reasoning`` (billed)."""
     retry_after_s: float = Field(default=1.0, ge=0)
     timeout_s: float = Field(default=30.0, ge=0)
 
@@ -140,17 +146,32 @@ FAULT_KINDS = (
     "malformed_json",
     "truncated_body",
     "finish_error",
+    "error_200",
+    "empty_answer",
 )
 
 
+OptionalParameter = Literal["temperature", "top_p", "seed", "stop"]
+"""A request parameter an endpoint may leave out of ``supported_parameters`` (logprobs go
+by ``supports_logprobs``)."""
+OPTIONAL_PARAMETERS: tuple[str, ...] = get_args(OptionalParameter)
+
+
 class Provider(_Strict):
-    """One provider of the roster's model."""
+    """One endpoint of the roster's model. A provider with several endpoints is several
+    entries with the same ``name`` and ``slug`` and their own ``tag``s."""
 
     name: str = Field(min_length=1)
     """``provider_name`` as OpenRouter spells it (e.g. ``DeepInfra``)."""
     slug: str = Field(min_length=1, pattern=r"^[a-z0-9][a-z0-9._-]*$")
     tag: str = Field(min_length=1)
-    """Endpoint tag, e.g. ``deepinfra/fp4``; routing accepts the name, slug or tag."""
+    """Endpoint tag, e.g. ``deepinfra/fp4`` (or the bare slug for a provider's default
+    endpoint); routing accepts the name or slug (every endpoint of the provider) or the tag."""
+    reply_provider_as: Literal["name", "slug"] = "name"
+    """How a reply's top-level ``provider`` spells it: display name or slug (OpenRouter does both)."""
+    unsupported_parameters: tuple[OptionalParameter, ...] = ()
+    """Parameters missing from the endpoint's ``supported_parameters`` (``require_parameters``
+    then routes around it)."""
     quantization: str
     """What the provider *declares* (OpenRouter's enum, ``unknown`` included)."""
     precision: str
@@ -219,11 +240,36 @@ class Provider(_Strict):
         return self.status > -3
 
     @property
+    def reply_name(self) -> str:
+        """The top-level ``provider`` of its replies."""
+        return self.name if self.reply_provider_as == "name" else self.slug
+
+    @property
     def supported_parameters(self) -> list[str]:
-        params = ["temperature", "top_p", "max_tokens", "seed", "stop"]
+        params = ["max_tokens", *(p for p in OPTIONAL_PARAMETERS if p not in self.unsupported_parameters)]
         if self.supports_logprobs:
             params += ["logprobs", "top_logprobs"]
         return params
+
+
+class Thinking(_Strict):
+    """The reasoning profile: the model thinks before it answers, as Kimi K2.5 does.
+
+    The chat template opens a thinking block after the generation prompt (``open``); the
+    model samples ``think_tokens`` tokens of reasoning (fewer if it would stop), then the
+    block's end (``close``) is forced and the answer follows; ``max_tokens`` counts them all,
+    so a small budget leaves the answer empty (``finish_reason: length``). With thinking off
+    (OpenRouter ``reasoning: {effort: "none"}`` or ``{enabled: false}``; at the reference
+    ``chat_template_kwargs: {<template_kwarg>: false}``) the template renders an empty block
+    and the model answers at once. Replies carry the reasoning apart from the answer
+    (``message.reasoning``), with logprobs over every token, as vLLM returns them."""
+
+    think_tokens: int = Field(default=16, ge=1)
+    open: str = Field(default="<think>\n", min_length=1)
+    close: str = Field(default="</think>\n", min_length=1)
+    template_kwarg: str = Field(default="thinking", min_length=1)
+    mandatory: bool = False
+    """Thinking cannot be turned off (OpenRouter refuses ``effort: "none"``)."""
 
 
 class ModelInfo(_Strict):
@@ -233,6 +279,8 @@ class ModelInfo(_Strict):
     name: str = "SmolLM2 135M Instruct (quanthunt sandbox)"
     description: str = "SmolLM2-135M-Instruct served by the quanthunt sandbox at several real precisions."
     context_length: int = Field(default=8192, ge=16)
+    reasoning: Thinking | None = None
+    """The reasoning profile (off unless set)."""
 
 
 class KeyLimit(_Strict):
@@ -247,6 +295,9 @@ class Credits(_Strict):
 
     default_usd: float = Field(default=100.0, ge=0, allow_inf_nan=False)
     keys: tuple[KeyLimit, ...] = ()
+    limit_source_in_402: bool = True
+    """False: an out-of-money 402 carries no ``error.metadata`` (as the spec's own example);
+    the in-flight-budget 402 always names its ``limit_source``."""
 
 
 class Roster(_Strict):
@@ -259,33 +310,36 @@ class Roster(_Strict):
     """Seeds fault injection and load balancing, so a run's faults repeat."""
     gateway_faults: Faults = Faults()
     """Faults of the gateway itself, on every route but chat completions (model and
-    endpoint lists, generation lookups, key status); ``finish_error`` does not apply."""
+    endpoint lists, generation lookups, key status); ``finish_error``, ``error_200`` and
+    ``empty_answer`` do not apply."""
     generation_lookup_delay_s: float = Field(default=0.0, ge=0)
     """``/generation?id=`` answers 404 for this long after a reply (OpenRouter: ~1 s)."""
+    reference_flavour: Literal["vllm", "sglang"] = "vllm"
+    """How ``/reference`` answers, as that server does (``sandbox/reference_api.py``)."""
 
     @field_validator("providers")
     @classmethod
     def _unique(cls, providers: tuple[Provider, ...]) -> tuple[Provider, ...]:
-        for attr in ("name", "slug", "tag"):
-            values = [getattr(p, attr) for p in providers]
-            dupes = sorted({v for v in values if values.count(v) > 1})
-            if dupes:
-                raise ValueError(f"provider {attr}s must be unique; repeated: {', '.join(dupes)}")
+        tags = [p.tag.lower() for p in providers]
+        dupes = sorted({t for t in tags if tags.count(t) > 1})
+        if dupes:
+            raise ValueError(f"endpoint tags must be unique (any case); repeated: {', '.join(dupes)}")
+        names: dict[str, str] = {}  # slug -> the provider's name: one provider, one spelling
         owners: dict[str, str] = {}  # routing reference (as ``find`` compares it) -> the slug of the provider it names
         for p in providers:
+            if names.setdefault(p.slug, p.name) != p.name:
+                raise ValueError(f"provider slug {p.slug} is named both {names[p.slug]!r} and {p.name!r}")
             for ref in {p.name.lower(), p.slug, p.tag.lower()}:
                 other = owners.setdefault(ref, p.slug)
                 if other != p.slug:
                     raise ValueError(f"routing reference {ref!r} (name, slug or tag, any case) names both {other} and {p.slug}")
         return providers
 
-    def find(self, ref: str) -> Provider | None:
-        """The provider a routing reference (name, slug or tag, any case) names."""
+    def find(self, ref: str) -> tuple[Provider, ...]:
+        """The endpoints a routing reference (any case) names: all of a provider's for its
+        name or slug, one for a tag (a bare-slug tag names the provider)."""
         wanted = ref.strip().lower()
-        for provider in self.providers:
-            if wanted in (provider.name.lower(), provider.slug, provider.tag.lower()):
-                return provider
-        return None
+        return tuple(p for p in self.providers if wanted in (p.name.lower(), p.slug, p.tag.lower()))
 
 
 DEFAULT_ROSTER = "roster.yaml"

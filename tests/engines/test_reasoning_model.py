@@ -1,0 +1,60 @@
+"""A reasoning model (the sandbox's reasoning profile on the default roster, as Kimi K2.5
+thinks before it answers), verified both ways a user may choose (``reasoning.mode``):
+thinking off on both sides, or reasoning + end of thinking + answer teacher-forced as one
+stream. Every provider must be judged as with a plain model, and generation must write no
+empty answer. Long (two default-roster audits on the real model): ``make test-engines``."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+from fixtures.project import Project
+
+from quanthunt.sandbox.roster import default_roster_path, load_roster
+
+pytestmark = pytest.mark.engines
+FAITHFUL = {"int4-native", "int4-bf16act"}
+
+
+@pytest.fixture
+def reasoning_project(project: Project) -> Project:
+    roster = yaml.safe_load(default_roster_path().read_text())
+    roster.setdefault("model", {})["reasoning"] = {"think_tokens": 12, "open": "<think>\n", "close": "</think>\n"}
+    (project.root / "reasoning.yaml").write_text(yaml.safe_dump(roster))
+    project.set_param("sandbox.roster", "reasoning.yaml")
+    project.set_param("reasoning.end_marker", "</think>\n")
+    project.set_param("reasoning.template_kwargs", {"thinking": False})
+    return project
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_every_provider_is_judged_correctly_and_no_empty_answer_is_written(reasoning_project: Project, mode: str) -> None:
+    project = reasoning_project
+    project.set_param("reasoning.mode", mode)
+    started = time.monotonic()
+    for stage in ("survey", "verify"):
+        done = project.run(stage, "--params", "params.yaml", timeout=1800)
+        assert done.returncode == 0, done.stderr
+    print(f"\nreasoning.mode {mode}: survey + verify in {time.monotonic() - started:.0f} s")
+    verdicts = json.loads((project.root / "reports/verify/verdicts.json").read_text())
+    truth = {p.tag: p.precision for p in load_roster().providers if not p.mixture}
+    for provider in verdicts["providers"]:
+        faithful = truth.get(provider["tag"]) in FAITHFUL
+        if provider["mode"] == "logprob" and provider["tag"] in truth:
+            assert provider["verdict"] == ("equivalent" if faithful else "different"), provider
+            assert provider["failed_requests"] == 0, provider
+        elif faithful:
+            assert provider["verdict"] != "different", provider
+
+    done = project.run("generate", "chat", "--params", "params.yaml", timeout=1800)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (project.root / "data/generated/chat.jsonl").read_text().splitlines()]
+    assert records
+    for record in records:
+        for turn in record["conversations"]:
+            if turn["role"] == "assistant":
+                assert turn["content"].strip(), record["id"]
+                assert bool(turn.get("reasoning_content")) == (mode == "on"), record["id"]
