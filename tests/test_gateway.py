@@ -199,32 +199,30 @@ def test_retry_after_parsing() -> None:
     assert retry_after_seconds("-4") == 0.0
 
 
+def refused_chat(roster: Roster) -> GatewayError:
+    """The error a chat request to an in-process gateway on ``roster`` raises."""
+
+    async def scenario() -> GatewayError:
+        async with in_process(roster) as gw:
+            with pytest.raises(GatewayError) as info:
+                await gw.chat(chat_body(model=MODEL_ID, messages=MESSAGES, max_tokens=4))
+            return info.value
+
+    return run(scenario())
+
+
 def test_a_402_without_a_limit_source_is_out_of_money() -> None:
     # The spec's own 402 example carries no error.metadata; only the in-flight budget's 402 is worth waiting for.
     spec_example = error_from(402, "Payment Required", b'{"error": {"code": 402, "message": "Insufficient credits"}}', {}, "x")
     assert spec_example.kind in OUT_OF_MONEY
-    roster = Roster.model_validate(roster_dict(provider("a"), credits={"default_usd": 0, "limit_source_in_402": False}))
-
-    async def scenario() -> GatewayError:
-        async with in_process(roster) as gw:
-            with pytest.raises(GatewayError) as info:
-                await gw.chat(chat_body(model=MODEL_ID, messages=MESSAGES, max_tokens=4))
-            return info.value
-
-    error = run(scenario())
+    error = refused_chat(
+        Roster.model_validate(roster_dict(provider("a"), credits={"default_usd": 0, "limit_source_in_402": False}))
+    )
     assert error.status == 402 and error.kind in OUT_OF_MONEY
 
 
 def test_an_http_200_with_a_top_level_error_is_a_typed_failure() -> None:
-    roster = Roster.model_validate(roster_dict(provider("a", faults={"error_200": 1.0})))
-
-    async def scenario() -> GatewayError:
-        async with in_process(roster) as gw:
-            with pytest.raises(GatewayError) as info:
-                await gw.chat(chat_body(model=MODEL_ID, messages=MESSAGES, max_tokens=4))
-            return info.value
-
-    error = run(scenario())
+    error = refused_chat(Roster.model_validate(roster_dict(provider("a", faults={"error_200": 1.0}))))
     assert (error.status, error.kind) == (200, "http_502") and error.kind in TRANSIENT
     assert "Provider returned error" in str(error)
     with pytest.raises(GatewayError) as info:

@@ -7,16 +7,15 @@ empty answer. Long (two default-roster audits on the real model): ``make test-en
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import yaml
+from fixtures.audits import assert_true_to_the_default_roster, audit
 from fixtures.project import Project
 
-from quanthunt.sandbox.roster import default_roster_path, load_roster
+from quanthunt.sandbox.roster import default_roster_path
 
 pytestmark = pytest.mark.engines
-FAITHFUL = {"int4-native", "int4-bf16act"}
 
 
 @pytest.fixture
@@ -34,20 +33,7 @@ def reasoning_project(project: Project) -> Project:
 def test_every_provider_is_judged_correctly_and_no_empty_answer_is_written(reasoning_project: Project, mode: str) -> None:
     project = reasoning_project
     project.set_param("reasoning.mode", mode)
-    started = time.monotonic()
-    for stage in ("survey", "verify"):
-        done = project.run(stage, "--params", "params.yaml", timeout=1800)
-        assert done.returncode == 0, done.stderr
-    print(f"\nreasoning.mode {mode}: survey + verify in {time.monotonic() - started:.0f} s")
-    verdicts = json.loads((project.root / "reports/verify/verdicts.json").read_text())
-    truth = {p.tag: p.precision for p in load_roster().providers if not p.mixture}
-    for provider in verdicts["providers"]:
-        faithful = truth.get(provider["tag"]) in FAITHFUL
-        if provider["mode"] == "logprob" and provider["tag"] in truth:
-            assert provider["verdict"] == ("equivalent" if faithful else "different"), provider
-            assert provider["failed_requests"] == 0, provider
-        elif faithful:
-            assert provider["verdict"] != "different", provider
+    assert_true_to_the_default_roster(audit(project, f"reasoning.mode {mode}"))
 
     done = project.run("generate", "chat", "--params", "params.yaml", timeout=1800)
     assert done.returncode == 0, done.stderr
