@@ -331,6 +331,10 @@ class Auditor:
             audit.attempted += 1
             try:
                 reply = await self._ask(audit, probe, index, logprobs=True)
+                if not reply.logprobs and not (reply.content or reply.reasoning):
+                    audit.failed += 1  # nothing generated (the model stopped at once): nothing to pair
+                    audit.errors["empty_completion"] += 1
+                    return
                 if not reply.logprobs:
                     raise GatewayError("the provider returned no logprobs", kind="no_logprobs")
                 if self.thought_while_off(audit, reply):
