@@ -494,12 +494,18 @@ ROSTER_VALUES = st.one_of(
     st.dictionaries(st.sampled_from([*PRECISIONS, "fp2"]), st.floats(-0.5, 1.5) | st.sampled_from([math.nan]), max_size=3),
 )
 REF_FIELDS = ("name", "slug", "tag")
+DRIFTING_ROSTER = copy.deepcopy(ROSTER)
+DRIFTING_ROSTER["providers"][1]["drift"] = [
+    {"after_requests": 30, "precision": "nvfp4"},
+    {"after_s": 60.0, "mixture": {"int8": 0.2}, "temperature_offset": 0.1},
+]
+"""The default roster with a drift, so that mutations reach the drift fields too."""
 
 
 @st.composite
 def rosters(draw: st.DrawFn) -> Any:
     """The default roster, mutated anywhere; also providers duplicated or given another provider's name/slug/tag."""
-    data = draw(mutations(ROSTER, ROSTER_VALUES, PLAIN_KEYS))
+    data = draw(mutations(draw(st.sampled_from([ROSTER, DRIFTING_ROSTER])), ROSTER_VALUES, PLAIN_KEYS))
     providers = data.get("providers") if isinstance(data, dict) else None
     if isinstance(providers, list) and providers and draw(st.booleans()):
         i, j = draw(st.integers(0, len(providers) - 1)), draw(st.integers(0, len(providers) - 1))
@@ -521,7 +527,10 @@ def assert_usable_roster(roster: Roster) -> None:
             named = roster.find(ref)
             assert p in named and {q.slug for q in named} == {p.slug}, f"{ref!r} routes to {[q.tag for q in named]}, not {p.slug}"
         assert p.status in ENDPOINT_STATUSES and p.precision in PRECISIONS and p.quantization in QUANTIZATIONS
-        assert all(0 <= share <= 1 for share in p.mixture.values()) and sum(p.mixture.values()) <= 1 + 1e-9
+        for requests, elapsed_s in [(0, 0.0), *((d.after_requests or 0, d.after_s or 0.0) for d in p.drift)]:
+            truth = p.truth_at(requests, elapsed_s)
+            assert truth.precision in PRECISIONS and math.isfinite(truth.temperature_offset)
+            assert all(0 <= share <= 1 for share in truth.mixture.values()) and sum(truth.mixture.values()) <= 1 + 1e-9
         assert all(0 <= getattr(p.faults, kind) <= 1 for kind in FAULT_KINDS)
         for tokens in (0, 1000, 10**6):
             assert all(math.isfinite(rate) and rate >= 0 for rate in p.pricing.rates(tokens))
@@ -543,6 +552,8 @@ def check_roster(data: Any, source: str = "roster.yaml") -> Roster | None:
 
 def test_the_default_roster_passes_the_checks() -> None:
     assert check_roster(ROSTER) is not None
+    drifting = check_roster(DRIFTING_ROSTER)
+    assert drifting is not None and drifting.providers[1].truth_at(30, 60.0).drift == 1
     assert_usable_roster(load_roster())
 
 
@@ -599,6 +610,13 @@ def provider_with(field: str, value: Any) -> dict[str, Any]:
         # fixed here: an infinite latency hung every request; a NaN offset poisoned sampling
         ("latency_ms", math.inf, "providers.1.latency_ms"),
         ("temperature_offset", math.nan, "providers.1.temperature_offset"),
+        ("drift", [{"after_requests": 3, "precision": "fp2"}], "providers.1.drift.0.precision"),
+        ("drift", [{"after_requests": 3, "mixture": {"nvfp4": 1.5}}], "providers.1.drift.0.mixture"),
+        ("drift", [{"after_s": math.inf, "precision": "nvfp4"}], "providers.1.drift.0.after_s"),
+        ("drift", [{"after_requests": 3, "temperature_offset": math.nan}], "providers.1.drift.0.temperature_offset"),
+        ("drift", [{"after_requests": 3, "after_s": 1, "precision": "nvfp4"}], "providers.1.drift.0"),
+        ("drift", [{"after_requests": 3}], "providers.1.drift.0"),
+        ("drift", [{"after_s": 5, "precision": "nvfp4"}, {"after_s": 5, "precision": "int8"}], "providers.1.drift"),
         ("faults.timeout_s", math.inf, "providers.1.faults.timeout_s"),
         # fixed here: routing strips and lower-cases references, so these made a provider unreachable by its name
         ("name", "moonshot ai", "providers"),

@@ -121,6 +121,28 @@ def test_mixture_is_deterministic_for_seeded_requests(latency_sandbox: Start) ->
     assert 8 <= first["nvfp4"] <= 32  # about half of 40
 
 
+def test_drift_changes_the_precision_after_n_requests_unseen_by_clients(latency_sandbox: Start) -> None:
+    sandbox = latency_sandbox(roster_dict(provider("a", drift=[{"after_requests": 3, "precision": "nvfp4"}])))
+    with httpx.Client(base_url=sandbox.api_url, headers=AUTH) as client:
+
+        def listings() -> str:
+            return client.get("/models").text + client.get(f"/models/{MODEL_ID}/endpoints").text
+
+        def serve(n: int) -> tuple[dict[str, int], dict[str, int | None]]:
+            replies = [client.post("/chat/completions", json=BODY) for _ in range(n)]
+            assert [r.status_code for r in replies] == [200] * n
+            assert not any(word in r.text for r in replies for word in ("drift", "nvfp4"))
+            stats = client.get("/sandbox/stats").json()
+            return stats["precisions"], stats["drift"]
+
+        before = listings()
+        assert not any(word in before for word in ("drift", "after_requests", "nvfp4"))  # the truth stays hidden
+        assert serve(2) == ({"int4-native": 2}, {"a/int4": None})
+        assert serve(1) == ({"int4-native": 3}, {"a/int4": 0})  # requests 1-3: the old truth; the drift is now due
+        assert serve(2) == ({"int4-native": 3, "nvfp4": 2}, {"a/int4": 0})  # 4 on: re-quantized
+        assert listings() == before  # still declares int4; nothing shows the change
+
+
 def test_credits_can_be_topped_up(latency_sandbox: Start) -> None:
     sandbox = latency_sandbox({**roster_dict(provider("a")), "credits": {"default_usd": 0}})
     assert httpx.post(f"{sandbox.api_url}/chat/completions", json=BODY, headers=AUTH).status_code == 402

@@ -37,7 +37,7 @@ from quanthunt.sandbox.faults import MisbehavingResponse
 from quanthunt.sandbox.reference_api import reference_routes
 from quanthunt.sandbox.render import error_response, logprob_items, text_deltas
 from quanthunt.sandbox.requests import BadRequest, ChatParams, parse_chat, parse_json_object
-from quanthunt.sandbox.roster import Provider, Roster
+from quanthunt.sandbox.roster import Provider, Roster, Truth
 from quanthunt.sandbox.routing import NoEndpoint, route
 
 
@@ -71,6 +71,9 @@ class Stats:
     served: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
     precisions: Counter[str] = field(default_factory=Counter)
+    admitted: Counter[str] = field(default_factory=Counter)
+    """Chat requests each endpoint tag began serving, counted before any await (``served``
+    counts them done), so a provider's drift after N requests falls at the same request each run."""
 
 
 @dataclass
@@ -170,6 +173,7 @@ class Sandbox:
         self.buckets = {p.tag: TokenBucket(p.rate_limit.rps, p.rate_limit.burst) for p in roster.providers if p.rate_limit}
         self.stats = Stats()
         self.started = time.time()
+        self.clock = time.monotonic()  # drifts ``after_s`` count from here
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -179,21 +183,27 @@ class Sandbox:
         key = key.strip()
         return key if scheme.lower() == "bearer" and key else None
 
-    def precision_for(self, provider: Provider, params: ChatParams, prompt_ids: list[int]) -> str:
-        """The precision serving this request: the provider's, or a mixture share's.
+    def truth_for(self, provider: Provider) -> Truth:
+        """The provider's truth, as drifted, for a request it now begins to serve (counted)."""
+        earlier = self.stats.admitted[provider.tag]
+        self.stats.admitted[provider.tag] += 1
+        return provider.truth_at(earlier, time.monotonic() - self.clock)
+
+    def precision_for(self, provider: Provider, truth: Truth, params: ChatParams, prompt_ids: list[int]) -> str:
+        """The precision serving this request: the truth's, or a mixture share's.
         Seeded requests get a deterministic draw, so a seeded probe set repeats."""
-        if not provider.mixture:
-            return provider.precision
+        if not truth.mixture:
+            return truth.precision
         if params.seed is not None:
             digest = hashlib.sha256(f"{self.roster.seed}:{provider.slug}:{params.seed}:{prompt_ids}".encode()).digest()
             u = int.from_bytes(digest[:8], "big") / 2**64
         else:
             u = self.rng.random()
-        for precision, share in provider.mixture.items():
+        for precision, share in truth.mixture.items():
             u -= share
             if u < 0:
                 return precision
-        return provider.precision
+        return truth.precision
 
     def remember(self, record: _Generation) -> None:
         self.generations[record.id] = record
@@ -380,6 +390,11 @@ class Sandbox:
                 "served": dict(self.stats.served),
                 "faults": dict(self.stats.faults),
                 "precisions": dict(self.stats.precisions),
+                "drift": {  # the drift now in force per endpoint that has any (null: none yet)
+                    p.tag: p.truth_at(self.stats.admitted[p.tag], time.monotonic() - self.clock).drift
+                    for p in self.roster.providers
+                    if p.drift
+                },
                 "compute": getattr(self.engine, "compute_stats", dict)(),
                 "key": {
                     "usage": account.usage,
@@ -504,11 +519,12 @@ class Sandbox:
 
     async def _serve(self, call: _Call, provider: Provider, fault: str | None) -> Response:
         params, prompt_ids = call.params, call.prompt_ids
-        precision = self.precision_for(provider, params, prompt_ids)
+        truth = self.truth_for(provider)
+        precision = self.precision_for(provider, truth, params, prompt_ids)
         sampling = SamplingRequest(
             prompt_ids=tuple(prompt_ids),
             max_tokens=params.max_tokens,
-            temperature=max(params.temperature + provider.temperature_offset, 0.0),
+            temperature=max(params.temperature + truth.temperature_offset, 0.0),
             top_p=params.top_p,
             seed=params.seed if params.seed is not None else self.rng.getrandbits(63),
             top_logprobs=params.top_logprobs if provider.supports_logprobs else 0,

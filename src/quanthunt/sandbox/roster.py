@@ -3,18 +3,20 @@ really serve. A YAML file; the default ships in the package (``roster.yaml``).
 
 The roster is the sandbox's ground truth. Clients only ever see what OpenRouter would
 show them (name, tag, declared quantization, prices, ...); ``precision``, ``mixture``,
-``temperature_offset`` and ``faults`` stay hidden behind the HTTP API.
+``temperature_offset``, their ``drift`` mid-run and ``faults`` stay hidden behind the HTTP API.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quanthunt.config_files import field_path, one_line, parse_yaml, read_text
 from quanthunt.errors import ConfigError
@@ -157,6 +159,75 @@ by ``supports_logprobs``)."""
 OPTIONAL_PARAMETERS: tuple[str, ...] = get_args(OptionalParameter)
 
 
+def _known_precision(value: str) -> str:
+    if value not in PRECISIONS:
+        raise ValueError(f"unknown precision {value!r}; known: {', '.join(PRECISIONS)}")
+    return value
+
+
+def _valid_mixture(value: dict[str, float]) -> dict[str, float]:
+    for precision, share in value.items():
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r} in mixture; known: {', '.join(PRECISIONS)}")
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"share for {precision!r} must be within [0, 1], got {share}")
+    if sum(value.values()) > 1.0 + 1e-9:
+        raise ValueError("mixture shares add up to more than 1")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Truth:
+    """What an endpoint really serves to one request (``Provider.truth_at``)."""
+
+    precision: str
+    mixture: Mapping[str, float]
+    temperature_offset: float
+    drift: int | None = None
+    """The index of the last drift applied (None: the provider's own truth)."""
+
+
+class Drift(_Strict):
+    """A change of deployment mid-run (re-quantized, moved hardware, part of the traffic
+    routed elsewhere): from its moment on, the fields it sets replace the provider's truth.
+
+    The moment is ``after_requests`` (the endpoint's chat requests served before it: with 30,
+    requests 1-30 keep the old truth and the 31st gets the new) or ``after_s`` (seconds since
+    the sandbox started), never both."""
+
+    after_requests: int | None = Field(default=None, ge=1)
+    after_s: float | None = Field(default=None, gt=0)
+    precision: str | None = None
+    mixture: dict[str, float] | None = None
+    temperature_offset: float | None = None
+
+    _check_precision = field_validator("precision")(lambda v: None if v is None else _known_precision(v))
+    _check_mixture = field_validator("mixture")(lambda v: None if v is None else _valid_mixture(v))
+
+    @model_validator(mode="after")
+    def _one_moment_and_a_change(self) -> Drift:
+        if (self.after_requests is None) == (self.after_s is None):
+            got = "both" if self.after_requests is not None else "neither"
+            raise ValueError(f"a drift needs exactly one of after_requests or after_s, got {got}")
+        if self.precision is None and self.mixture is None and self.temperature_offset is None:
+            raise ValueError("a drift must change at least one of precision, mixture or temperature_offset")
+        return self
+
+    @property
+    def moment(self) -> tuple[str, float]:
+        """``("after_requests", n)`` or ``("after_s", seconds)``."""
+        if self.after_requests is not None:
+            return "after_requests", self.after_requests
+        assert self.after_s is not None
+        return "after_s", self.after_s
+
+    def due(self, requests: int, elapsed_s: float) -> bool:
+        """Whether it applies to a request after ``requests`` earlier ones, ``elapsed_s`` in."""
+        if self.after_requests is not None:
+            return requests >= self.after_requests
+        return self.after_s is not None and elapsed_s >= self.after_s
+
+
 class Provider(_Strict):
     """One endpoint of the roster's model. A provider with several endpoints is several
     entries with the same ``name`` and ``slug`` and their own ``tag``s."""
@@ -180,6 +251,9 @@ class Provider(_Strict):
     """``{precision: share}``: that share of requests is served at another precision."""
     temperature_offset: float = 0.0
     """A misconfigured sampler: added to every request's temperature."""
+    drift: tuple[Drift, ...] = ()
+    """Changes of ``precision``, ``mixture`` or ``temperature_offset`` mid-run (hidden from
+    clients); those whose moment has come apply in list order."""
     pricing: Pricing
     status: int = 0
     uptime_last_30m: float | None = Field(default=99.9, ge=0, le=100)
@@ -202,12 +276,8 @@ class Provider(_Strict):
             raise ValueError(f"must not start or end with whitespace (routing strips it), got {value!r}")
         return value
 
-    @field_validator("precision")
-    @classmethod
-    def _known_precision(cls, value: str) -> str:
-        if value not in PRECISIONS:
-            raise ValueError(f"unknown precision {value!r}; known: {', '.join(PRECISIONS)}")
-        return value
+    _check_precision = field_validator("precision")(_known_precision)
+    _check_mixture = field_validator("mixture")(_valid_mixture)
 
     @field_validator("quantization")
     @classmethod
@@ -223,17 +293,31 @@ class Provider(_Strict):
             raise ValueError(f"status must be one of {ENDPOINT_STATUSES} (OpenRouter's EndpointStatus), got {value}")
         return value
 
-    @field_validator("mixture")
+    @field_validator("drift")
     @classmethod
-    def _valid_mixture(cls, value: dict[str, float]) -> dict[str, float]:
-        for precision, share in value.items():
-            if precision not in PRECISIONS:
-                raise ValueError(f"unknown precision {precision!r} in mixture; known: {', '.join(PRECISIONS)}")
-            if not 0.0 <= share <= 1.0:
-                raise ValueError(f"share for {precision!r} must be within [0, 1], got {share}")
-        if sum(value.values()) > 1.0 + 1e-9:
-            raise ValueError("mixture shares add up to more than 1")
-        return value
+    def _drifts_in_order(cls, drifts: tuple[Drift, ...]) -> tuple[Drift, ...]:
+        last: dict[str, tuple[int, float]] = {}  # kind -> (index, moment) of the previous drift of that kind
+        for i, drift in enumerate(drifts):
+            kind, moment = drift.moment
+            if kind in last and moment <= last[kind][1]:
+                j, before = last[kind]
+                raise ValueError(f"drift {i}'s {kind} ({moment:g}) must be later than drift {j}'s ({before:g})")
+            last[kind] = (i, moment)
+        return drifts
+
+    def truth_at(self, requests: int, elapsed_s: float) -> Truth:
+        """What it really serves to a chat request that comes after ``requests`` earlier ones
+        to this endpoint and ``elapsed_s`` seconds after the sandbox started: its own truth,
+        with every drift whose moment has come applied in list order (a field a drift leaves
+        unset keeps its previous value)."""
+        precision, mixture, offset, index = self.precision, self.mixture, self.temperature_offset, None
+        for i, drift in enumerate(self.drift):
+            if drift.due(requests, elapsed_s):
+                precision = drift.precision if drift.precision is not None else precision
+                mixture = drift.mixture if drift.mixture is not None else mixture
+                offset = drift.temperature_offset if drift.temperature_offset is not None else offset
+                index = i
+        return Truth(precision=precision, mixture=mixture, temperature_offset=offset, drift=index)
 
     @property
     def routable(self) -> bool:
