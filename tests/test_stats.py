@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from typing import Literal
@@ -14,21 +13,25 @@ from hypothesis import strategies as st
 from scipy import stats as sps
 
 from quanthunt.stats import (
-    TAIL_STABLE_RUN,
+    EProcess,
     adjust,
+    average_e_processes,
     benjamini_hochberg,
+    betting_e_process,
     binomial_tail_test,
     bootstrap_ci,
+    completions_for_e_tail,
+    confidence_sequence,
+    e_benjamini_hochberg,
+    e_tail_power,
+    e_tail_power_curve,
     hamming_kernel_matrix,
     holm,
     kl_topk_with_tail,
-    mean_shift_power,
     mmd_hamming_test,
     one_sided_mean_test,
-    probes_for_mean_shift,
-    probes_for_tail,
+    outside_interval_e_process,
     stratified_permutation_test,
-    tail_power,
 )
 
 ALPHA = 0.05
@@ -421,66 +424,114 @@ def test_kl_close_to_exact_when_topk_covers_the_mass() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Power and sample size
+# Testing by betting
 # ---------------------------------------------------------------------------------------------
 
 
-def test_mean_shift_power_monotone_and_at_alpha_for_no_effect() -> None:
-    powers = [mean_shift_power(d, 20, alpha=ALPHA) for d in np.linspace(0, 1.5, 16)]
-    assert powers[0] == pytest.approx(ALPHA)
-    assert all(np.diff(powers) > 0)
-    assert mean_shift_power(0.5, 40, alpha=ALPHA) > mean_shift_power(0.5, 20, alpha=ALPHA)
+def test_betting_wealth_known_answer() -> None:
+    # one bet, fraction 0.5 of the largest: lambda = 0.5 / m0 = 1, factor 1 + (x - 0.5)
+    greater = betting_e_process([1.0, 1.0, 0.0], null_mean=0.5, alternative="greater", fractions=(0.5,))
+    np.testing.assert_allclose(greater.wealth, [1.5, 2.25, 1.125])
+    # "less" bets on m0 - x with lambda = f / (1 - m0): 1 + 0.25 / 0.75 * (0.25 - x)
+    less = betting_e_process([0.0, 1.0], null_mean=0.25, alternative="less", fractions=(0.25,))
+    np.testing.assert_allclose(less.wealth, [1 + 0.25 / 0.75 * 0.25, (1 + 0.25 / 0.75 * 0.25) * (1 - 0.25)])
+    # two bets: the wealth is the average of the two capital processes
+    mixed = betting_e_process([1.0], null_mean=0.5, alternative="greater", fractions=(0.5, 0.25))
+    assert mixed.final == pytest.approx((1.5 + 1.25) / 2)
+    assert mixed.peak == mixed.final and mixed.pvalue == pytest.approx(1 / mixed.final)
+    assert greater.crossed_at(2.0) == 2 and greater.crossed_at(3.0) is None
 
 
-def test_mean_shift_power_matches_monte_carlo() -> None:
-    rng = np.random.default_rng(42)
-    n, d, reps = 20, 0.5, 2000
-    data = rng.normal(d, 1.0, size=(reps, n))
-    rejected = sum(one_sided_mean_test(row, threshold=0.0, alternative="greater").pvalue <= ALPHA for row in data)
-    assert rejected / reps == pytest.approx(mean_shift_power(d, n, alpha=ALPHA), abs=0.05)
-    # the "less" direction: a mean 0.5 sd below the margin
-    # the "less" direction is the mirror image
-    for row in data[:100]:
-        mirrored = one_sided_mean_test(-row, threshold=0.0, alternative="less")
-        assert mirrored.pvalue == pytest.approx(one_sided_mean_test(row, threshold=0.0, alternative="greater").pvalue)
+def test_betting_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        betting_e_process([1.2], null_mean=0.5, alternative="greater")
+    with pytest.raises(ValueError, match="null_mean"):
+        betting_e_process([0.2], null_mean=0.0, alternative="greater")
+    with pytest.raises(ValueError, match="fractions"):
+        betting_e_process([0.2], null_mean=0.5, alternative="greater", fractions=(1.0,))
+    with pytest.raises(ValueError, match="same observations"):
+        average_e_processes([EProcess(np.ones(2)), EProcess(np.ones(3))])
 
 
-def test_probes_for_mean_shift() -> None:
-    n = probes_for_mean_shift(0.5, alpha=ALPHA)
-    assert 35 <= n <= 37
-    assert mean_shift_power(0.5, n, alpha=ALPHA) >= 0.9 > mean_shift_power(0.5, n - 1, alpha=ALPHA)
-    assert probes_for_mean_shift(0.25, alpha=ALPHA) > n
-    assert probes_for_mean_shift(5.0, alpha=ALPHA) == 2 or mean_shift_power(5.0, 2, alpha=ALPHA) < 0.9
+@pytest.mark.parametrize("kind", ["bernoulli", "uniform-two-sided", "beta-at-margin"])
+def test_e_process_ever_crosses_at_most_alpha_under_the_null(kind: str) -> None:
+    """Ville: P(the wealth ever reaches 1/alpha) <= alpha, checked over 2,000 seeded null
+    sequences of 400 observations, looked at after every one of them."""
+    rng = np.random.default_rng(7)
+    runs, n, crossed = 2000, 400, 0
+    for _ in range(runs):
+        if kind == "bernoulli":
+            process = betting_e_process((rng.random(n) < 0.02).astype(float), null_mean=0.02, alternative="greater")
+        elif kind == "uniform-two-sided":
+            process = outside_interval_e_process(rng.random(n), low=0.5, high=0.5)
+        else:  # the null's boundary: mean exactly at the margin
+            process = betting_e_process(rng.beta(2, 6, n), null_mean=0.25, alternative="greater")
+        crossed += process.peak >= 1 / ALPHA
+    bound = ALPHA + 3 * math.sqrt(ALPHA * (1 - ALPHA) / runs)
+    assert crossed / runs <= bound
+
+
+def test_optional_stopping_inflates_a_t_test_but_not_the_e_process() -> None:
+    """Peeking after every observation and stopping at the first "significant" look: the
+    fixed-sample t-test's error rate balloons, the e-process's stays below alpha."""
+    rng = np.random.default_rng(3)
+    runs, n = 400, 200
+    t_hits = e_hits = 0
+    for _ in range(runs):
+        x = rng.random(n)  # mean 1/2: the null "mean <= 1/2" holds with equality
+        e_hits += betting_e_process(x, null_mean=0.5, alternative="greater").peak >= 1 / ALPHA
+        t_hits += any(one_sided_mean_test(x[:k], threshold=0.5, alternative="greater").pvalue < ALPHA for k in range(5, n + 1, 5))
+    assert t_hits / runs > 0.15  # looking 40 times at a 5 % test
+    assert e_hits / runs <= ALPHA
+
+
+def test_e_process_power_grows_with_the_effect() -> None:
+    rng = np.random.default_rng(11)
+    x = np.clip(rng.normal(0.7, 0.2, 200), 0, 1)
+    process = betting_e_process(x, null_mean=0.5, alternative="greater")
+    first = process.crossed_at(1 / ALPHA)
+    assert first is not None and first < 40
+    far = betting_e_process(np.clip(rng.normal(0.9, 0.1, 200), 0, 1), null_mean=0.5, alternative="greater")
+    crossed_far = far.crossed_at(1 / ALPHA)
+    assert crossed_far is not None and crossed_far < first
+
+
+def test_confidence_sequence_covers_the_mean_at_every_time() -> None:
+    rng = np.random.default_rng(5)
+    runs, misses = 300, 0
+    for _ in range(runs):
+        x = rng.beta(2, 5, 150)  # mean 2/7
+        low, high = confidence_sequence(x, alpha=ALPHA, grid=400)
+        misses += bool(((low > 2 / 7) | (high < 2 / 7)).any())
+        assert (np.diff(low) >= -1e-12).all() and (np.diff(high) <= 1e-12).all()  # it only shrinks
+    assert misses / runs <= ALPHA
+    low, high = confidence_sequence(rng.beta(2, 5, 2000), alpha=ALPHA, grid=400)
+    assert high[-1] - low[-1] < 0.06  # and it does shrink around the mean
+
+
+def test_e_bh_known_answer() -> None:
+    # m = 3, alpha 0.05: thresholds m / (alpha k) = 60, 30, 20
+    assert e_benjamini_hochberg([80.0, 1.2, 30.0], alpha=ALPHA) == [True, False, True]
+    assert e_benjamini_hochberg([59.0, 1.0, 1.0], alpha=ALPHA) == [False, False, False]
+    assert e_benjamini_hochberg([25.0, 25.0, 25.0], alpha=ALPHA) == [True, True, True]
+    assert e_benjamini_hochberg([], alpha=ALPHA) == []
     with pytest.raises(ValueError):
-        probes_for_mean_shift(0.0, alpha=ALPHA)
-    with pytest.raises(ValueError):
-        probes_for_mean_shift(0.01, alpha=ALPHA, max_n=100)
+        e_benjamini_hochberg([-1.0], alpha=ALPHA)
 
 
-@pytest.mark.parametrize(("share", "n", "p0", "alpha"), [(0.2, 11, 1e-4, 0.05), (0.1, 40, 0.05, 0.05), (0.3, 25, 0.02, 0.01)])
-def test_tail_power_is_exact(share: float, n: int, p0: float, alpha: float) -> None:
-    """Power equals Σ_k P(Bin(n, p1) = k) · 1[binomial_tail_test(k) ≤ α]."""
-    p1 = share + (1 - share) * p0
-    expected = sum(sps.binom.pmf(k, n, p1) for k in range(n + 1) if binomial_tail_test(k, n, p0=p0) <= alpha)
-    assert tail_power(share, n, p0=p0, alpha=alpha) == pytest.approx(expected, rel=1e-9, abs=1e-12)
-
-
-def test_tail_power_monotone_in_share() -> None:
-    powers = [tail_power(s, 15, p0=1e-4, alpha=ALPHA) for s in (0.01, 0.05, 0.1, 0.2, 0.5)]
-    assert all(np.diff(powers) > 0)
-    assert tail_power(0.2, 11, p0=1e-4, alpha=ALPHA) == pytest.approx(1 - (1 - (0.2 + 0.8e-4)) ** 11)
-
-
-def test_probes_for_tail() -> None:
-    n = probes_for_tail(0.2, p0=1e-4, alpha=ALPHA)
-    assert 11 <= n <= 14  # 1 − 0.8^n ≥ 0.9 ⇒ n ≥ 11
-    assert tail_power(0.2, n - 1, p0=1e-4, alpha=ALPHA) < 0.9
-    # a case where power is visibly non-monotone in n (the critical count steps up)
-    share, p0 = 0.1, 0.05
-    n2 = probes_for_tail(share, p0=p0, alpha=ALPHA, power=0.8)
-    powers = [tail_power(share, k, p0=p0, alpha=ALPHA) for k in range(1, n2 + TAIL_STABLE_RUN + 1)]
-    assert all(pw >= 0.8 for pw in powers[n2 - 1 :])
-    assert any(pw < 0.8 for pw in powers[n2 - 2 : n2 - 1])
-    assert any(b < a for a, b in itertools.pairwise(powers))  # non-monotone
-    with pytest.raises(ValueError):
-        probes_for_tail(0.001, p0=1e-4, alpha=ALPHA, max_n=50)
+def test_e_tail_power_is_exact() -> None:
+    """The dynamic programme against a simulation of the very test it models."""
+    rng = np.random.default_rng(2)
+    rate, n, p0, threshold = 0.12, 40, 0.02, 60.0
+    hits = sum(
+        betting_e_process((rng.random(n) < rate).astype(float), null_mean=p0, alternative="greater").peak >= threshold
+        for _ in range(4000)
+    )
+    assert e_tail_power(rate, n, p0=p0, threshold=threshold) == pytest.approx(hits / 4000, abs=0.025)
+    curve = e_tail_power_curve(rate, 200, p0=p0, threshold=threshold)
+    assert (np.diff(curve) >= 0).all()  # a crossed test stays crossed
+    needed = completions_for_e_tail(rate, p0=p0, threshold=threshold, power=0.9)
+    assert needed is not None and curve[needed - 1] >= 0.9 > curve[needed - 2]
+    assert completions_for_e_tail(p0, p0=p0, threshold=threshold, power=0.9) is None  # the null never gets there
+    # half the weight of an average: the tail test alone must reach twice the threshold
+    assert e_tail_power(rate, n, p0=p0, threshold=threshold, weight=0.5) == e_tail_power(rate, n, p0=p0, threshold=2 * threshold)

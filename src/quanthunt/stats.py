@@ -29,10 +29,14 @@ The questions, and the tools for each:
   Model Is This API Serving?", ICLR 2025).
 * **Several providers** at once: :func:`holm` (family-wise error) or
   :func:`benjamini_hochberg` (false discovery rate), both via :func:`adjust`.
-* **Planning**: :func:`mean_shift_power` / :func:`probes_for_mean_shift` for the t-test,
-  :func:`tail_power` / :func:`probes_for_tail` for the binomial tail test (exact, from the
-  test's critical count), and :func:`bootstrap_ci` (optionally resampling whole prompts) for
-  intervals on any statistic.
+* **Sequential, anytime-valid tests** (what the verify stage decides with): testing by
+  betting (:func:`betting_e_process`, :func:`outside_interval_e_process`, averaged with
+  :func:`average_e_processes`), whose error rate holds however often the data are looked
+  at; :func:`confidence_sequence` for the matching bounds; :func:`e_benjamini_hochberg`
+  across providers; and :func:`e_tail_power` / :func:`completions_for_e_tail`, the exact
+  power of the sequential tail test against a mixture. The fixed-sample tests above are
+  kept as reported baselines.
+* **Intervals**: :func:`bootstrap_ci` (optionally resampling whole prompts) on any statistic.
 
 Conventions: p-values are never NaN (degenerate inputs get a documented 0 or 1); invalid input
 (empty data, NaN, out-of-range probabilities, mismatched lengths) raises ``ValueError``.
@@ -42,8 +46,9 @@ test is exact (size ≤ α) under exchangeability.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, SupportsFloat, TypeVar
 
@@ -53,22 +58,28 @@ from numpy.typing import NDArray
 from scipy import stats as _sps
 
 __all__ = [
+    "BET_FRACTIONS",
+    "EProcess",
     "MeanTest",
     "PermutationTest",
     "adjust",
+    "average_e_processes",
     "benjamini_hochberg",
+    "betting_e_process",
     "binomial_tail_test",
     "bootstrap_ci",
+    "completions_for_e_tail",
+    "confidence_sequence",
+    "e_benjamini_hochberg",
+    "e_tail_power",
+    "e_tail_power_curve",
     "hamming_kernel_matrix",
     "holm",
     "kl_topk_with_tail",
-    "mean_shift_power",
     "mmd_hamming_test",
     "one_sided_mean_test",
-    "probes_for_mean_shift",
-    "probes_for_tail",
+    "outside_interval_e_process",
     "stratified_permutation_test",
-    "tail_power",
 ]
 
 FloatArray = NDArray[np.float64]
@@ -84,9 +95,6 @@ TokenT = TypeVar("TokenT", str, int)
 
 PROB_FLOOR = 1e-12
 """Smallest probability :func:`kl_topk_with_tail` uses (clipping floor and tail-bucket floor)."""
-
-TAIL_STABLE_RUN = 5
-""":func:`probes_for_tail` returns ``n`` only if power also stays ≥ target for the next this many sizes."""
 
 _BATCH_CELLS = 1 << 22  # permutation batches hold at most this many indices at once (~32 MiB of int64)
 
@@ -657,121 +665,293 @@ def kl_topk_with_tail(p_top: Mapping[TokenT, float], q_top: Mapping[TokenT, floa
 
 
 # --------------------------------------------------------------------------------------------
-# Power and sample size
+# Anytime-valid tests: testing by betting
 # --------------------------------------------------------------------------------------------
 
+BET_FRACTIONS = (0.9, 0.5, 0.25, 0.125, 0.0625, 0.03125)
+"""The bets an e-process spreads its wealth over, as fractions of the largest bet that cannot
+lose everything on one observation (a "diversified Kelly" mixture, Waudby-Smith & Ramdas
+2024 §5.5): large fractions win fast against a large effect, small ones win surely against a
+small one, and the mixture pays at most ``log 6`` nats for not knowing which."""
 
-def mean_shift_power(effect_size: float, n: int, *, alpha: float) -> float:
-    """Power of the one-sided one-sample t-test at level ``alpha`` with ``n`` observations.
 
-    ``effect_size`` is Cohen's d = shift / sd, measured *in the direction of the alternative*
-    (positive = the truth lies on the alternative's side), so it applies to both
-    ``alternative="less"`` and ``"greater"`` of :func:`one_sided_mean_test`. Exact, from the
-    noncentral t: ``P(T' > t_{1−α, n−1})`` with ``T' ~ nct(n − 1, d √n)``. ``d = 0`` gives ``alpha``.
+@dataclass(frozen=True)
+class EProcess:
+    """Wealth of a test by betting after each observation (result of :func:`betting_e_process`).
 
-    Usage: ``mean_shift_power(0.5, 36, alpha=0.05)  # ≈ 0.9``
+    Under the null the wealth is a nonnegative supermartingale that starts at 1, so by Ville's
+    inequality ``P(wealth ever reaches 1/α) ≤ α``: the test may be looked at after every
+    observation and stopped at any time, for any reason, without inflating its error rate.
+    """
+
+    wealth: FloatArray
+    """``K_t`` for t = 1..n (``K_0 = 1`` is implicit)."""
+
+    @property
+    def n(self) -> int:
+        return int(self.wealth.size)
+
+    @property
+    def final(self) -> float:
+        """``K_n``: an e-value at any stopping time (what e-BH needs)."""
+        return float(self.wealth[-1]) if self.wealth.size else 1.0
+
+    @property
+    def peak(self) -> float:
+        """``max(1, max_t K_t)``."""
+        return max(1.0, float(self.wealth.max())) if self.wealth.size else 1.0
+
+    @property
+    def pvalue(self) -> float:
+        """The anytime-valid p-value ``min(1, 1 / max_t K_t)``: ``P(it ever falls to α) ≤ α``."""
+        return 1.0 / self.peak
+
+    def crossed_at(self, threshold: float) -> int | None:
+        """The first t (1-based) with ``K_t ≥ threshold``, or None."""
+        hits = np.flatnonzero(self.wealth >= threshold)
+        return int(hits[0]) + 1 if hits.size else None
+
+
+def _check_bounded(values: npt.ArrayLike) -> FloatArray:
+    x = _as_finite_1d(values, "observations")
+    if ((x < 0) | (x > 1)).any():
+        raise ValueError("betting observations must lie in [0, 1] (scale and clip them first)")
+    return x
+
+
+WEALTH_CAP = 1e300
+"""Wealth is capped here (far beyond any threshold) instead of overflowing to infinity."""
+
+
+def _mixture_wealth(log_factors: FloatArray) -> FloatArray:
+    """Mean over bets (rows) of ``exp(cumsum(log factor))``, computed in logs, capped at
+    :data:`WEALTH_CAP`."""
+    if log_factors.shape[1] == 0:
+        return np.zeros(0)
+    log_wealth = np.cumsum(log_factors, axis=1)
+    top = log_wealth.max(axis=0)
+    log_mean = top + np.log(np.exp(log_wealth - top).mean(axis=0))
+    return np.asarray(np.exp(np.minimum(log_mean, math.log(WEALTH_CAP))), dtype=np.float64)
+
+
+def betting_e_process(
+    values: npt.ArrayLike,
+    *,
+    null_mean: float,
+    alternative: Literal["greater", "less"],
+    fractions: Sequence[float] = BET_FRACTIONS,
+) -> EProcess:
+    """Test the mean of observations in [0, 1] by betting against ``null_mean``.
+
+    ``alternative="greater"``: H0 mean ≤ m0. Each bet ``λ = f / m0`` multiplies the wealth by
+    ``1 + λ (x − m0)`` per observation (never below ``1 − f``); ``"less"``: H0 mean ≥ m0, with
+    ``λ = f / (1 − m0)`` and factor ``1 + λ (m0 − x)``. The wealth is the average over the
+    ``fractions`` of these constant-bet capital processes: each is a nonnegative supermartingale
+    under H0 (its factors have conditional mean ≤ 1 whenever the mean is on H0's side), so the
+    average is too, whatever the order or dependence of the data. Observations are only assumed
+    bounded; nothing about their distribution (Waudby-Smith & Ramdas, "Estimating means of bounded
+    random variables by betting", JRSS-B 2024).
+
+    Usage: ``betting_e_process(flags, null_mean=0.001, alternative="greater").crossed_at(20)``
+    """
+    _check_unit_open(null_mean, "null_mean")
+    if alternative not in ("greater", "less"):
+        raise ValueError(f"alternative must be 'greater' or 'less', got {alternative!r}")
+    f = np.asarray(fractions, dtype=np.float64)
+    if f.size == 0 or ((f <= 0) | (f >= 1)).any():
+        raise ValueError(f"bet fractions must lie strictly between 0 and 1, got {list(fractions)!r}")
+    x = _check_bounded(values)
+    if alternative == "greater":
+        factors = 1.0 + (f / null_mean)[:, None] * (x - null_mean)[None, :]
+    else:
+        factors = 1.0 + (f / (1.0 - null_mean))[:, None] * (null_mean - x)[None, :]
+    return EProcess(_mixture_wealth(np.log(factors)))
+
+
+def outside_interval_e_process(
+    values: npt.ArrayLike, *, low: float, high: float, fractions: Sequence[float] = BET_FRACTIONS
+) -> EProcess:
+    """H0 ``low ≤ mean ≤ high`` against "the mean lies outside": the average of a ``"greater"``
+    test at ``high`` and a ``"less"`` test at ``low``. Under H0 both are e-processes, so their
+    average is one; it grows when either side is wrong.
+
+    Usage: ``outside_interval_e_process(u, low=0.45, high=0.55)`` (uniform PITs off centre)
+    """
+    if not 0.0 < low <= high < 1.0:
+        raise ValueError(f"need 0 < low ≤ high < 1, got low={low!r}, high={high!r}")
+    up = betting_e_process(values, null_mean=high, alternative="greater", fractions=fractions)
+    down = betting_e_process(values, null_mean=low, alternative="less", fractions=fractions)
+    return EProcess((up.wealth + down.wealth) / 2.0)
+
+
+def average_e_processes(processes: Sequence[EProcess]) -> EProcess:
+    """The equal-weight average of e-processes on the same observations' clock: an e-process
+    for the intersection of their nulls (one test of "everything is as claimed").
+
+    Usage: ``average_e_processes([mean_test, tail_test])``
+    """
+    if not processes:
+        raise ValueError("average_e_processes needs at least one process")
+    lengths = {p.n for p in processes}
+    if len(lengths) != 1:
+        raise ValueError(f"e-processes must cover the same observations, got lengths {sorted(lengths)}")
+    return EProcess(np.mean([p.wealth for p in processes], axis=0))
+
+
+def confidence_sequence(
+    values: npt.ArrayLike, *, alpha: float, fractions: Sequence[float] = BET_FRACTIONS, grid: int = 1000
+) -> tuple[FloatArray, FloatArray]:
+    """A (1 − α) confidence sequence for the mean of observations in [0, 1]: ``(lower_t, upper_t)``
+    for t = 1..n, holding for all t at once with probability ≥ 1 − α.
+
+    It is the set of means no betting test has rejected so far (``"less"`` tests at level α/2
+    bound it from above, ``"greater"`` ones from below), on a grid of ``grid`` means, and
+    intersected over time, so it only shrinks. Rejection is monotone in the tested mean for
+    these bets, so each bound is the first grid point rejected.
+
+    Usage: ``low, high = confidence_sequence(u, alpha=0.05); high[-1]``
     """
     _check_unit_open(alpha, "alpha")
-    if n < 2:
-        raise ValueError(f"the t-test needs n ≥ 2, got {n}")
-    if not math.isfinite(effect_size):
-        raise ValueError(f"effect_size must be finite, got {effect_size!r}")
-    df = n - 1
-    critical = float(_sps.t.ppf(1 - alpha, df))
-    return float(_sps.nct.sf(critical, df, effect_size * math.sqrt(n)))
-
-
-def probes_for_mean_shift(effect_size: float, *, alpha: float, power: float = 0.9, max_n: int = 100_000) -> int:
-    """Smallest ``n ≥ 2`` with :func:`mean_shift_power` ``≥ power`` (power increases with ``n`` for d > 0).
-
-    Raises ``ValueError`` if ``effect_size ≤ 0`` or ``max_n`` does not suffice.
-
-    Usage: ``probes_for_mean_shift(0.5, alpha=0.05)  # -> 36``
-    """
-    _check_unit_open(power, "power")
-    if effect_size <= 0:
-        raise ValueError(f"effect_size must be > 0, got {effect_size!r}")
-
-    def enough(n: int) -> bool:
-        return mean_shift_power(effect_size, n, alpha=alpha) >= power
-
-    if max_n < 2 or not enough(max_n):
-        raise ValueError(f"power {power} not reached with n ≤ {max_n} for effect size {effect_size}")
-    lo, hi = 1, 2  # invariant once bracketed: not enough(lo) (or lo == 1), enough(hi)
-    while not enough(hi):
-        lo, hi = hi, min(2 * hi, max_n)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if mid >= 2 and enough(mid):
-            hi = mid
+    x = _check_bounded(values)
+    f = np.asarray(fractions, dtype=np.float64)
+    means = (np.arange(grid) + 0.5) / grid
+    threshold = 2.0 / alpha
+    upper = np.ones(x.size)
+    lower = np.zeros(x.size)
+    if x.size == 0:
+        return lower, upper
+    # wealth[m, t] of the "less" test at each grid mean (rejecting "mean ≥ m"), then "greater".
+    for side in ("less", "greater"):
+        if side == "less":
+            steps = 1.0 + (f[:, None, None] / (1.0 - means)[None, :, None]) * (means[None, :, None] - x[None, None, :])
         else:
-            lo = mid
-    return hi
+            steps = 1.0 + (f[:, None, None] / means[None, :, None]) * (x[None, None, :] - means[None, :, None])
+        log_wealth = np.cumsum(np.log(steps), axis=2)
+        top = log_wealth.max(axis=0)
+        log_mixture = top + np.log(np.exp(log_wealth - top).mean(axis=0))
+        rejected = np.maximum.accumulate(log_mixture >= math.log(threshold), axis=1)  # once rejected, always
+        if side == "less":
+            # smallest rejected mean above which all are rejected: the upper bound
+            kept = ~rejected
+            highest_kept = np.where(kept.any(axis=0), grid - 1 - np.argmax(kept[::-1], axis=0), -1)
+            upper = np.where(highest_kept >= 0, np.minimum((highest_kept + 1) / grid, 1.0), 0.0)
+        else:
+            kept = ~rejected
+            lowest_kept = np.where(kept.any(axis=0), np.argmax(kept, axis=0), grid)
+            lower = np.where(lowest_kept < grid, lowest_kept / grid, 1.0)
+    return np.asarray(lower, dtype=np.float64), np.asarray(upper, dtype=np.float64)
 
 
-def _critical_count(n: int, p0: float, alpha: float) -> int:
-    """Smallest ``c`` with ``P(X ≥ c | Binomial(n, p0)) ≤ alpha`` (``n + 1`` if none): reject iff flagged ≥ c."""
-    guess = _sps.binom.isf(alpha, n, p0)
-    c = int(guess) + 1 if math.isfinite(guess) else n + 1
-    c = min(max(c, 1), n + 1)
-    while c > 1 and _sps.binom.sf(c - 2, n, p0) <= alpha:
-        c -= 1
-    while c <= n and _sps.binom.sf(c - 1, n, p0) > alpha:
-        c += 1
-    return c
+def e_benjamini_hochberg(e_values: Sequence[float], *, alpha: float) -> list[bool]:
+    """e-BH (Wang & Ramdas, JRSS-B 2022): reject the ``k`` hypotheses with the largest e-values,
+    ``k = max{k : e_(k) ≥ m / (α k)}``. Controls the FDR at α under any dependence between the
+    e-values. It equals BH on ``1 / e``; use e-values at the tests' stopping times
+    (:attr:`EProcess.final`), not their running maxima.
+
+    Usage: ``e_benjamini_hochberg([80.0, 1.2, 30.0], alpha=0.05)  # -> [True, False, True]``
+    """
+    _check_unit_open(alpha, "alpha")
+    e = np.asarray(e_values, dtype=np.float64).reshape(-1)
+    if np.isnan(e).any() or (e < 0).any():
+        raise ValueError(f"e-values must be nonnegative numbers, got {list(e_values)!r}")
+    m = e.size
+    if m == 0:
+        return []
+    order = np.argsort(-e, kind="stable")
+    ranks = np.arange(1, m + 1)
+    passing = np.flatnonzero(e[order] >= m / (alpha * ranks))
+    k = int(passing.max()) + 1 if passing.size else 0
+    rejected = np.zeros(m, dtype=bool)
+    rejected[order[:k]] = True
+    return [bool(r) for r in rejected]
 
 
-def _check_tail_args(share: float, p0: float, alpha: float) -> None:
-    if not 0.0 < share <= 1.0:
-        raise ValueError(f"share must lie in (0, 1], got {share!r}")
+def _e_tail_crossings(rate: float, *, p0: float, threshold: float, weight: float, fractions: Sequence[float]) -> Iterator[float]:
+    """P(the tail e-process has crossed by t) for t = 1, 2, ... (an endless generator).
+
+    The wealth after t observations with k flags grows with k, so the test has crossed by t
+    iff some earlier (t', k') crossed; the dynamic programme keeps P(not crossed, k flags)
+    only for the k below the crossing count, which stays small."""
     _check_unit_open(p0, "p0")
-    _check_unit_open(alpha, "alpha")
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"rate must lie in [0, 1], got {rate!r}")
+    if not 0.0 < weight <= 1.0:
+        raise ValueError(f"weight must lie in (0, 1], got {weight!r}")
+    f = np.asarray(fractions, dtype=np.float64)
+    log_hit = np.log1p(f / p0 * (1 - p0))
+    log_miss = np.log1p(-f)
+    target = math.log(threshold / weight)
+
+    def crosses(t: int, k: int) -> bool:
+        log_w = k * log_hit + (t - k) * log_miss
+        top = float(log_w.max())
+        return top + math.log(float(np.exp(log_w - top).mean())) >= target
+
+    needed = 0  # the fewest flags that cross at t; never decreases in t (a miss only lowers wealth)
+    alive = np.array([1.0])  # alive[k]: P(not crossed yet, k flags so far)
+    crossed = 0.0
+    t = 0
+    while True:
+        t += 1
+        moved = np.append(alive * (1.0 - rate), 0.0)
+        moved[1:] += alive * rate
+        while needed <= t and not crosses(t, needed):
+            needed += 1
+        cut = min(needed, moved.size)
+        crossed += float(moved[cut:].sum())
+        alive = moved[:cut]
+        yield min(crossed, 1.0)
 
 
-def tail_power(share: float, n: int, *, p0: float, alpha: float) -> float:
-    """Exact power of :func:`binomial_tail_test` at level ``alpha`` with ``n`` completions.
+def e_tail_power_curve(
+    rate: float, n: int, *, p0: float, threshold: float, weight: float = 1.0, fractions: Sequence[float] = BET_FRACTIONS
+) -> FloatArray:
+    """:func:`e_tail_power` for every audit size 1..n, in one pass."""
+    if n < 0:
+        raise ValueError(f"n must be ≥ 0, got {n}")
+    crossings = _e_tail_crossings(rate, p0=p0, threshold=threshold, weight=weight, fractions=fractions)
+    return np.fromiter(itertools.islice(crossings, n), dtype=np.float64, count=n)
 
-    Model: a fraction ``share`` of completions is served at low precision and always flagged;
-    the rest are flagged at the allowed false-flag rate ``p0``, so the flag probability is
-    ``p1 = share + (1 − share) · p0``. The test rejects iff ``flagged ≥ c`` with ``c`` the
-    critical count at ``p0``; power is ``P(Binomial(n, p1) ≥ c)``.
 
-    Usage: ``tail_power(0.2, 11, p0=1e-4, alpha=0.05)  # ≈ 0.91``
+def e_tail_power(
+    rate: float, n: int, *, p0: float, threshold: float, weight: float = 1.0, fractions: Sequence[float] = BET_FRACTIONS
+) -> float:
+    """Exact probability that the tail e-process (``betting_e_process`` on 0/1 flags against
+    ``p0``, ``"greater"``) reaches ``threshold`` within ``n`` observations when each is flagged
+    independently with probability ``rate``.
+
+    ``weight`` is the tail test's share of an average (:func:`average_e_processes`): the average
+    reaches ``threshold`` no later than the tail test alone reaches ``threshold / weight``, so
+    this is a lower bound on the average's power. The wealth after t observations depends only
+    on the number of flags, so a dynamic programme over (t, flags) with crossing absorbing gives
+    the power exactly; it never decreases in ``n`` (a crossed test stays crossed).
+
+    Usage: ``e_tail_power(0.2, 22, p0=0.001, threshold=160.0)``
     """
-    _check_tail_args(share, p0, alpha)
-    if n < 1:
-        raise ValueError(f"n must be ≥ 1, got {n}")
-    c = _critical_count(n, p0, alpha)
-    if c > n:
+    if n == 0:
         return 0.0
-    p1 = share + (1 - share) * p0
-    return float(_sps.binom.sf(c - 1, n, p1))
+    curve = e_tail_power_curve(rate, n, p0=p0, threshold=threshold, weight=weight, fractions=fractions)
+    return float(curve[-1])
 
 
-def probes_for_tail(share: float, *, p0: float, alpha: float, power: float = 0.9, max_n: int = 100_000) -> int:
-    """Completions needed for :func:`binomial_tail_test` to catch a low-precision ``share``.
+def completions_for_e_tail(
+    rate: float,
+    *,
+    p0: float,
+    threshold: float,
+    power: float,
+    weight: float = 1.0,
+    max_n: int = 5000,
+    fractions: Sequence[float] = BET_FRACTIONS,
+) -> int | None:
+    """Smallest ``n`` with :func:`e_tail_power` ≥ ``power`` (None if not within ``max_n``): the
+    audit size at which a mixture flagging ``rate`` of completions would be caught.
 
-    Power of a discrete test is not monotone in ``n`` (it dips whenever the critical count steps
-    up), so this returns the smallest ``n`` such that :func:`tail_power` is ``≥ power`` at ``n``
-    *and* at each of the next :data:`TAIL_STABLE_RUN` (5) sizes. Raises ``ValueError`` if no such
-    ``n ≤ max_n`` exists.
-
-    Usage: ``probes_for_tail(0.2, p0=1e-4, alpha=0.05)  # -> 11``
+    Usage: ``completions_for_e_tail(0.2, p0=0.001, threshold=160.0, power=0.95)``
     """
-    _check_tail_args(share, p0, alpha)
     _check_unit_open(power, "power")
-    p1 = share + (1 - share) * p0
-    # power(n) ≤ P(X ≥ 1) = 1 − (1 − p1)^n, so nothing below this bound can qualify.
-    start = 1 if p1 >= 1 else max(1, math.floor(math.log1p(-power) / math.log1p(-p1)) - 1)
-    first: int | None = None
-    for n in range(start, max_n + TAIL_STABLE_RUN + 1):
-        if tail_power(share, n, p0=p0, alpha=alpha) >= power:
-            if first is None:
-                first = n
-            if n - first >= TAIL_STABLE_RUN:
-                if first > max_n:
-                    break
-                return first
-        else:
-            first = None
-    raise ValueError(f"power {power} not reached stably with n ≤ {max_n} for share {share}")
+    crossings = _e_tail_crossings(rate, p0=p0, threshold=threshold, weight=weight, fractions=fractions)
+    for n, reached in enumerate(itertools.islice(crossings, max_n), start=1):
+        if reached >= power:
+            return n
+    return None
