@@ -58,9 +58,8 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
             verdicts=verdicts,
             provider_plots=plots,
             datasets=datasets,
-            alpha=d.alpha,
-            p0=m.tail_p0,
-            share=d.mixture_share,
+            margin=m,
+            policy=d,
         )
         costs = cost_rows(datasets)
         with Outputs() as out:

@@ -79,7 +79,7 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
             endpoints, reasoning = asyncio.run(fetch_endpoints(targets.api_url, params.survey.model))
         check_reasoning(params.reasoning.mode, reasoning, params.survey.model)
         rows = apply_policy(endpoints, params.survey.policy)
-        plan = plan_budget(rows, params.survey.budget, params.verify.probes)
+        plan = plan_budget(rows, params.survey.budget, params.verify)
         candidates = [r for r in rows if r.is_candidate]
         metrics = {
             "providers": len(rows),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,59 +17,50 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from quanthunt import figures
+from quanthunt import decision, figures
 from quanthunt.connection import Targets, open_targets
+from quanthunt.decision import Subject
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import Gateway, resolve_api_key
 from quanthunt.outputs import Outputs
 from quanthunt.params import Params, load_params, section_digest
 from quanthunt.prompts import load_prompts
 from quanthunt.reference import Reference
-from quanthunt.survey import CANDIDATE, read_providers
+from quanthunt.survey import CANDIDATE, ProviderRow, probe_cost, read_providers
 from quanthunt.terminal import stage_console
 from quanthunt.tracking import StageRun, repo_root, stage_run
 from quanthunt.verdicts import ProviderVerdict, Verdicts
-from quanthunt.verification import Audit, Auditor, Design, Margins, Policy, Probe, Subject, decide, select_probes, summary_values
+from quanthunt.verification import Audit, Auditor, Design, Probe, select_probes, summary_values
 
 
 @dataclass(frozen=True)
 class Row:
     """A provider to audit, as the survey listed it."""
 
-    subject: Subject
-    logprobs: bool
-    prompt_usd_per_m: float
-    completion_usd_per_m: float
+    surveyed: ProviderRow
+
+    @property
+    def subject(self) -> Subject:
+        r = self.surveyed
+        return Subject(r.provider, r.tag, r.declared_quantization, r.reason)
+
+    @property
+    def logprobs(self) -> bool:
+        return self.surveyed.supports_logprobs
 
 
-def read_survey(path: Path) -> list[Row]:
-    rows = read_providers(path)
-    return [Row(Subject(r.provider, r.tag, r.declared_quantization, r.reason), r.supports_logprobs,
-                r.prompt_usd_per_m, r.completion_usd_per_m) for r in rows]  # fmt: skip
-
-
-def subjects_to_audit(rows: list[Row], params: Params) -> list[Row]:
+def subjects_to_audit(rows: list[ProviderRow], params: Params) -> list[Row]:
     keep = []
     for row in rows:
-        decision = row.subject.survey_decision
-        if decision == CANDIDATE or (params.verify.audit_declared_excluded and decision.startswith("excluded: declared")):
-            keep.append(row)
+        if row.reason == CANDIDATE or (params.verify.audit_declared_excluded and row.reason.startswith("excluded: declared")):
+            keep.append(Row(row))
     return keep
 
 
-def planned_cost(rows: list[Row], params: Params) -> float:
-    probes = params.verify.probes
-    total = 0.0
-    for row in rows:
-        k = probes.completions_per_prompt if row.logprobs else probes.sample_mode_completions_per_prompt
-        per_request = probes.mean_prompt_tokens * row.prompt_usd_per_m + probes.max_tokens * row.completion_usd_per_m
-        total += probes.prompts * k * per_request / 1e6
-    return total
-
-
 async def audit_all(
-    params: Params, rows: list[Row], probes: list[Probe], targets: Targets, *, siblings: list[str]
-) -> tuple[list[Audit], str]:
+    params: Params, rows: list[Row], probes: list[Probe], targets: Targets, *, siblings: list[str], console: Console
+) -> tuple[list[Audit], list[int], str]:
+    """Audit every row in rounds until each is decided or has had every probe of the plan."""
     p = params.verify.probes
     design = Design(
         model=params.survey.model,
@@ -87,10 +79,19 @@ async def audit_all(
     ):
         reference_model = (await reference.check()).model
         auditor = Auditor(gateway, reference, design, concurrency=params.verify.concurrency, siblings=siblings)
-        audits = await asyncio.gather(
-            *(auditor.audit(r.subject.provider, r.subject.tag, logprobs=r.logprobs, probes=probes) for r in rows)
-        )
-    return list(audits), reference_model
+        audits = [Audit(r.subject.provider, r.subject.tag, "logprob" if r.logprobs else "sample") for r in rows]
+        subjects = [r.subject for r in rows]
+        v = params.verify
+
+        def settled(audits: Sequence[Audit]) -> list[bool]:
+            return [s.verdict is not None for s in decision.judge(subjects, audits, v.margin, v.decision)]
+
+        def on_round(number: int, audits: Sequence[Audit], done: Sequence[bool]) -> None:
+            left = [a.tag for a, d in zip(audits, done, strict=True) if not d]
+            console.print(f"verify: round {number} done; " + (f"undecided: {', '.join(left)}" if left else "all decided"))
+
+        rounds = await auditor.audit_rounds(audits, probes, round_size=p.prompts, settled=settled, on_round=on_round)
+    return audits, rounds, reference_model
 
 
 def render_report(verdicts: Verdicts, images: dict[str, bytes]) -> str:
@@ -106,7 +107,7 @@ def render_report(verdicts: Verdicts, images: dict[str, bytes]) -> str:
             f"<td>{v.declared_quantization}</td><td>{v.mode}</td>"
             f"<td><b>{v.verdict}</b><br><small>{html.escape(v.reason)}</small></td><td><small>{effects}</small></td>"
             f"<td><small>{tests}</small></td><td>{', '.join(f'{k} {p:.2f}' for k, p in v.power.items())}</td>"
-            f"<td>{v.completions}</td><td>${v.cost_usd:.5f}</td></tr>"
+            f"<td>{v.completions} in {v.rounds} round(s); e-value {v.e_value:.3g}</td><td>${v.cost_usd:.5f}</td></tr>"
         )
     plots = "".join(
         f"<figure><img alt='{html.escape(name)}' src='{figures.data_uri(png)}'>"
@@ -119,18 +120,20 @@ td,th{{border:1px solid #ccc;padding:4px;vertical-align:top}}
 .equivalent{{background:#e8f5e9}}.different{{background:#ffebee}}.inconclusive{{background:#fff8e1}}img{{max-width:760px}}</style></head><body>
 <h1>Verification of {html.escape(verdicts.model)}</h1>
 <p>Reference: {html.escape(verdicts.reference_model)}. α = {verdicts.alpha}, {verdicts.correction} correction across providers,
-{len(verdicts.probe_ids)} probe prompts, total probe cost ${verdicts.cost_usd:.5f}. MLflow run {verdicts.verification_run_id}.</p>
+sequential audit (testing by betting: the verdicts hold however many rounds were looked at), up to
+{len(verdicts.probe_ids)} probe prompts, total probe cost ${verdicts.cost_usd:.5f}. MLflow run {verdicts.verification_run_id}.
+Tests marked baseline are the fixed-sample tests on the first round, reported for comparison; they decide nothing.</p>
 <table><tr><th>provider</th><th>declares</th><th>mode</th><th>verdict</th><th>effects [95% CI]</th><th>tests</th><th>power</th>
-<th>completions</th><th>cost</th></tr>{"".join(rows)}</table>{plots}</body></html>
+<th>audit</th><th>cost</th></tr>{"".join(rows)}</table>{plots}</body></html>
 """
 
 
 def show(verdicts: Verdicts, console: Console) -> None:
     table = Table(title="Verification", title_justify="left")
-    for column in ("provider", "tag", "declares", "mode", "verdict", "reason"):
+    for column in ("provider", "tag", "declares", "mode", "completions", "verdict", "reason"):
         table.add_column(column)
     for v in verdicts.providers:
-        table.add_row(v.provider, v.tag, v.declared_quantization, v.mode, v.verdict, v.reason)
+        table.add_row(v.provider, v.tag, v.declared_quantization, v.mode, str(v.completions), v.verdict, v.reason)
     console.print(table)
 
 
@@ -143,7 +146,8 @@ def log_provider_runs(run: StageRun, verdicts: list[ProviderVerdict]) -> list[Pr
         child.log_metrics(
             {f"effect.{k}": e.value for k, e in v.effects.items()}
             | {f"power.{k}": p for k, p in v.power.items()}
-            | {"completions": v.completions, "failed_requests": v.failed_requests, "cost_usd": v.cost_usd}
+            | {"completions": v.completions, "rounds": v.rounds, "e_value": v.e_value, "failed_requests": v.failed_requests}
+            | {"cost_usd": v.cost_usd}
         )
         child.set_tags({"reason": v.reason, "mode": v.mode, "measured_precision": _measured(v)})
         out.append(v.model_copy(update={"mlflow_run_id": child.run_id}))
@@ -162,36 +166,22 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
     params = load_params(params_path)
     root = repo_root(params_path)
     paths = params.paths
-    surveyed = read_survey(root / paths.survey_providers)
+    surveyed = read_providers(root / paths.survey_providers)
     rows = subjects_to_audit(surveyed, params)
     if not rows:
         raise ConfigError(f"{root / paths.survey_providers}: no provider to verify (the survey found no candidate)")
-    cost = planned_cost(rows, params)
+    cost = sum(probe_cost(r.surveyed, params.verify) for r in rows)
     if cost > params.verify.max_cost_usd:
         raise ConfigError(f"the planned probe cost ${cost:.4f} exceeds verify.max_cost_usd ${params.verify.max_cost_usd:g}")
     datasets = {name: load_prompts(paths.prompt_file(root, name)) for name in params.datasets}
-    probes = select_probes(datasets, count=params.verify.probes.prompts, seed=params.verify.seed)
+    probes = select_probes(datasets, count=params.verify.max_probes_per_provider, seed=params.verify.seed)
     with stage_run("verify", params=params, section=params.verify, root=root, experiment=params.tracking.experiment) as run:
         with open_targets(params, root=root, stage="verify", needs_model=True) as targets:
-            audits, reference_model = asyncio.run(
-                audit_all(params, rows, probes, targets, siblings=[r.subject.tag for r in surveyed])
+            audits, rounds, reference_model = asyncio.run(
+                audit_all(params, rows, probes, targets, siblings=[r.tag for r in surveyed], console=console)
             )
         m, d = params.verify.margin, params.verify.decision
-        decided = decide(
-            [r.subject for r in rows],
-            audits,
-            Margins(
-                m.mean_abs_dlogprob,
-                m.tail_dlogprob,
-                m.tail_p0,
-                m.sample_mean_z,
-                m.sample_tail_z,
-                m.sample_tail_p0,
-                m.sample_equivalence_z,
-            ),
-            Policy(d.alpha, d.correction, d.min_power, d.mixture_share, d.max_failed_share),
-            seed=params.verify.seed,
-        )
+        decided = decision.verdicts([r.subject for r in rows], audits, m, d, rounds=rounds, seed=params.verify.seed)
         decided = log_provider_runs(run, decided)
         verdicts = Verdicts(
             model=params.survey.model,
@@ -200,7 +190,7 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
             params_sha256=section_digest(params.verify),
             alpha=d.alpha,
             correction=d.correction,
-            probe_ids=[p.id for p in probes],
+            probe_ids=[p.id for p in probes[: max(rounds, default=0) * params.verify.probes.prompts]],
             verification_run_id=run.run_id,
             cost_usd=round(sum(a.cost_usd for a in audits), 8),
             providers=decided,
@@ -209,13 +199,21 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         for audit, verdict in zip(audits, verdicts.providers, strict=True):
             series = summary_values(audit)
             title = f"{verdict.tag} (declares {verdict.declared_quantization}): {verdict.verdict}"
+            threshold = decision.mixture_threshold(len(rows), d.alpha)
             if audit.mode == "logprob":
                 images[verdict.tag] = figures.logprob_audit(title, series["deltas"], series["completion_means"],
-                                                            margin=m.mean_abs_dlogprob, tail=m.tail_dlogprob)  # fmt: skip
+                                                            margin=m.mean_abs_dlogprob, tail=m.tail_dlogprob,
+                                                            wealth=verdict.e_path, threshold=threshold)  # fmt: skip
             else:
-                images[verdict.tag] = figures.sample_audit(title, series["provider"], series["reference"])
+                images[verdict.tag] = figures.sample_audit(title, series["provider"], series["reference"],
+                                                           wealth=verdict.e_path, threshold=threshold)  # fmt: skip
         counts = {k: sum(1 for v in verdicts.providers if v.verdict == k) for k in ("equivalent", "different", "inconclusive")}
-        metrics = {**counts, "eligible": len(verdicts.eligible()), "cost_usd": verdicts.cost_usd, "probes": len(probes)}
+        metrics = {
+            **counts,
+            "eligible": len(verdicts.eligible()),
+            "cost_usd": verdicts.cost_usd,
+            "probes": len(verdicts.probe_ids),
+        }
         with Outputs() as out:
             out.write_text(root / paths.verdicts, Verdicts.model_validate(verdicts.model_dump()).model_dump_json(indent=2) + "\n")
             for tag, png in images.items():

@@ -262,7 +262,7 @@ def assert_usable_params(params: Params) -> None:
     assert set(params.survey.policy.allowed_quantizations) <= set(QUANTIZATIONS)
     assert set(params.generate.quantizations or ()) <= set(QUANTIZATIONS)
     assert params.verify.decision.correction in ("holm", "bh")
-    plan = plan_budget([CHEAP, DEAR], params.survey.budget, params.verify.probes)
+    plan = plan_budget([CHEAP, DEAR], params.survey.budget, params.verify)
     json.dumps(plan, allow_nan=False)
 
 

@@ -52,6 +52,10 @@ def with_change(path: str, value: Any) -> dict[str, Any]:
         ("api.base_url", "https://user:pw@openrouter.ai/api/v1", "must not carry credentials"),
         ("survey.model", "no-slash", "survey.model: String should match pattern"),
         ("verify.probes.prompts", 1, "verify.probes.prompts: Input should be greater than or equal to 2"),
+        ("verify.probes.temperature", 0.7, "verify.probes.temperature: Value error, must be 1.0: the sampler check"),
+        ("verify.probes.max_tokens", 32, "probes.max_tokens 32 is shorter than the 64 tokens decision.mixture_detection_*"),
+        ("verify.max_probes_per_provider", 4, "max_probes_per_provider must be at least probes.prompts (one round)"),
+        ("verify.margin.sampler_equivalence", 0.01, "sampler_equivalence must be at least sampler_shift"),
     ],
 )
 def test_bad_params_name_the_field(path: str, value: Any, message: str) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from quanthunt.gateway import Endpoint
-from quanthunt.params import Budget, Policy, Probes
+from quanthunt.params import Budget, Policy, Probes, Verify
 from quanthunt.survey import SENT_PARAMETERS, apply_policy, plan_budget, price_scenario, probe_cost
 
 
@@ -97,20 +97,22 @@ def test_plan_prices_cheapest_median_worst_and_probes() -> None:
         ],
         Policy(),
     )
-    probes = Probes(prompts=25, completions_per_prompt=2, max_tokens=32, mean_prompt_tokens=60)
-    plan = plan_budget(rows, Budget(usd=100, datasets=6, output_tokens_per_dataset=10_000_000), probes)
+    verify = Verify(
+        probes=Probes(prompts=25, completions_per_prompt=2, max_tokens=64, mean_prompt_tokens=60), max_probes_per_provider=50
+    )
+    plan = plan_budget(rows, Budget(usd=100, datasets=6, output_tokens_per_dataset=10_000_000), verify)
     assert [(s["scenario"], s["provider"]) for s in plan["scenarios"]] == [("cheapest", "A"), ("median", "C"), ("worst", "B")]
     assert plan["candidates"] == 3
-    assert plan["verification"]["requests"] == 150
-    expected = sum(probe_cost(r, probes) for r in rows if r.is_candidate)
+    assert plan["verification"]["requests"] == 300  # worst case: every provider audited to its 50th probe, 2 each
+    expected = sum(probe_cost(r, verify) for r in rows if r.is_candidate)
     assert plan["verification"]["cost_usd"] == pytest.approx(expected)
-    assert probe_cost(rows[0], probes) == pytest.approx(50 * (60 * 0.5 + 32 * 2.0) / 1e6)
+    assert probe_cost(rows[0], verify) == pytest.approx(100 * (60 * 0.5 + 64 * 2.0) / 1e6)
     assert plan["budget_after_verification_usd"] == pytest.approx(100 - expected)
 
 
 def test_plan_without_candidates() -> None:
     rows = apply_policy([endpoint("X", quantization="fp4")], Policy(allowed_quantizations=("int4",)))
-    plan = plan_budget(rows, Budget(usd=10, datasets=1, output_tokens_per_dataset=1000), Probes())
+    plan = plan_budget(rows, Budget(usd=10, datasets=1, output_tokens_per_dataset=1000), Verify())
     assert plan["candidates"] == 0 and plan["scenarios"] == [] and plan["verification"]["cost_usd"] == 0
 
 
@@ -134,6 +136,6 @@ def test_two_endpoints_of_one_provider_are_planned_apart() -> None:
     rows = apply_policy(
         [endpoint("DeepInfra", tag="deepinfra/fp8", quantization="fp8"), endpoint("DeepInfra", tag="deepinfra/int4")], POLICY
     )
-    plan = plan_budget(rows, Budget(usd=100, datasets=1, output_tokens_per_dataset=10**6), Probes())
+    plan = plan_budget(rows, Budget(usd=100, datasets=1, output_tokens_per_dataset=10**6), Verify())
     assert set(plan["verification"]["per_endpoint_usd"]) == {"deepinfra/fp8", "deepinfra/int4"}
-    assert plan["verification"]["cost_usd"] == pytest.approx(2 * probe_cost(rows[0], Probes()))
+    assert plan["verification"]["cost_usd"] == pytest.approx(2 * probe_cost(rows[0], Verify()), abs=1e-6)

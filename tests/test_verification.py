@@ -1,5 +1,5 @@
-"""The verification core: probe selection, pairing of logprobs, retries and decisions
-on simulated audits whose truth is known (fixed seeds)."""
+"""The verification core: probe selection, pairing of logprobs and the sampler check,
+retries, and the rank score's null distribution (decisions: ``test_decision.py``)."""
 
 from __future__ import annotations
 
@@ -13,29 +13,7 @@ import pytest
 from quanthunt.gateway import GatewayError, TokenLogprob
 from quanthunt.prompts import PromptRecord, Turn
 from quanthunt.reference import Position, Scored
-from quanthunt.verification import (
-    Audit,
-    LogprobCompletion,
-    Margins,
-    Policy,
-    SampledText,
-    Subject,
-    compare_logprobs,
-    decide,
-    select_probes,
-    with_retries,
-)
-
-MARGINS = Margins(
-    mean_abs_dlogprob=0.08,
-    tail_dlogprob=0.25,
-    tail_p0=0.001,
-    sample_mean_z=0.2,
-    sample_tail_z=3.0,
-    sample_tail_p0=0.01,
-    sample_equivalence_z=0.2,
-)
-POLICY = Policy(alpha=0.05, correction="holm", min_power=0.8, mixture_share=0.2, max_failed_share=0.25)
+from quanthunt.verification import compare_logprobs, select_probes, with_retries
 
 
 def records(prefix: str, n: int) -> list[PromptRecord]:
@@ -84,10 +62,10 @@ def test_pairing_stops_at_the_first_tokenization_mismatch() -> None:
         ],
     )
     provider = [token(" there", -0.4, {" there": -0.4, " you": -1.3}), token(" fri", -0.3), token("end", -0.1)]
-    paired = compare_logprobs("p", 0, provider, scored, prompt_len=2)
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=2, listed=2)
     assert paired.aligned == 1 and paired.tokens == 3
     assert paired.deltas == pytest.approx([0.1])
-    identical = compare_logprobs("p", 0, [token(" there", -0.5, {" there": -0.5, " you": -1.2})], scored, prompt_len=2)
+    identical = compare_logprobs("p", 0, [token(" there", -0.5, {" there": -0.5, " you": -1.2})], scored, prompt_len=2, listed=2)
     assert identical.deltas == [0.0] and identical.kls == [0.0] and identical.top1_agree == [True]
 
 
@@ -103,7 +81,7 @@ def test_partial_utf8_pieces_pair_and_an_identical_provider_has_zero_kl() -> Non
             {"token": "", "logprob": -0.7}, {"token": " ê", "logprob": -1.0}, {"token": "", "logprob": -1.9}]}),
         token(" ê", -0.1, {" ê": -0.1, "": -2.5}),
     ]  # fmt: skip
-    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1)
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=2)
     assert paired.aligned == 2
     assert paired.deltas == [0.0, 0.0]
     assert paired.kls == pytest.approx([0.0, 0.0], abs=1e-12)
@@ -119,9 +97,24 @@ def test_a_chat_list_of_k_minus_one_is_compared_at_the_same_depth() -> None:
         TokenLogprob.model_validate({"token": "z", "logprob": -4.0, "top_logprobs": [
             {"token": "z", "logprob": -4.0}, {"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1.5}]})
     ]  # fmt: skip
-    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1)
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=2)
     assert paired.kls == [0.0]
     assert paired.top1_agree == [True]
+
+
+def test_the_sampler_check_scores_the_provider_tokens_rank_under_the_reference() -> None:
+    """Logprob mode's rank z: the reference's favourite token every time (a cold or greedy
+    sampler) scores far below 0, a token it ranks outside its top every time far above."""
+    names = {1: "a", 2: "b", 3: "c", 4: "z"}
+
+    def run(sampled: int, logprob: float) -> float:
+        top = {"a": math.log(0.5), "b": -2.0, "c": -3.0} | {names[sampled]: logprob}
+        scored = Scored([0] + [sampled] * 64, [None] + [position(sampled, logprob, top, names)] * 64)
+        provider = [token(names[sampled], logprob, {names[sampled]: logprob})] * 64
+        return compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=3).rank_z
+
+    assert run(1, math.log(0.5)) < -3.0  # always the favourite (mass 0.5): every PIT below ½
+    assert run(4, -6.0) > 3.0  # always outside the top 3 (mass 0.69): every PIT above 0.69
 
 
 def test_retries_honour_retry_after_and_stop_on_permanent_errors() -> None:
@@ -143,91 +136,6 @@ def test_retries_honour_retry_after_and_stop_on_permanent_errors() -> None:
     with pytest.raises(GatewayError):
         asyncio.run(with_retries(refused, attempts=5, errors=errors))
     assert errors["http_400"] == 1
-
-
-def logprob_audit(name: str, *, n: int, scale: float, extreme_share: float = 0.0, seed: int = 0, probes: int = 12) -> Audit:
-    rng = random.Random(seed)
-    audit = Audit(name, f"{name.lower()}/x", "logprob", attempted=n)
-    for i in range(n):
-        extreme = rng.random() < extreme_share
-        deltas = [rng.gauss(0, 0.8 if extreme else scale) for _ in range(24)]
-        audit.logprob.append(LogprobCompletion(f"p{i % probes}", i // probes, 24, 24, deltas, [0.0] * 24, [True] * 24))
-        audit.served_by[name] += 1
-    return audit
-
-
-def subject(name: str) -> Subject:
-    return Subject(name, f"{name.lower()}/x", "unknown", "candidate")
-
-
-def test_decisions_on_simulated_providers() -> None:
-    audits = [
-        logprob_audit("Faithful", n=24, scale=1e-6),
-        logprob_audit("Bf16", n=24, scale=0.04, seed=1),
-        logprob_audit("Nvfp4", n=24, scale=0.7, seed=2),
-        logprob_audit("Mixture", n=24, scale=0.04, extreme_share=0.25, seed=3),
-    ]
-    verdicts = decide([subject(a.provider) for a in audits], audits, MARGINS, POLICY, seed=0)
-    by_name = {v.provider: v for v in verdicts}
-    assert by_name["Faithful"].verdict == "equivalent" and by_name["Faithful"].eligible
-    assert by_name["Bf16"].verdict == "equivalent"
-    assert by_name["Nvfp4"].verdict == "different" and not by_name["Nvfp4"].eligible
-    assert by_name["Mixture"].verdict == "different"
-    assert "extreme completions" in by_name["Mixture"].reason
-    assert by_name["Mixture"].effects["mean_abs_dlogprob"].value < 0.3  # a mean shift alone would look mild
-    for v in verdicts:
-        assert all(t.p_adjusted is None or t.p_adjusted >= t.p_value for t in v.tests)
-
-
-def test_too_few_completions_are_inconclusive_with_the_probes_needed() -> None:
-    audit = logprob_audit("Small", n=3, scale=0.04, probes=3)
-    (verdict,) = decide([subject("Small")], [audit], MARGINS, POLICY, seed=0)
-    assert verdict.verdict == "inconclusive"
-    assert "power too low" in verdict.reason
-    assert verdict.probes_needed is not None and verdict.probes_needed >= 11
-
-
-def test_errors_and_misrouting_are_inconclusive() -> None:
-    failing = logprob_audit("Flaky", n=12, scale=1e-6)
-    failing.attempted, failing.failed = 20, 8
-    failing.errors["http_503"] = 24
-    rerouted = logprob_audit("Rerouted", n=24, scale=1e-6)
-    rerouted.served_by["Someone Else"] = 3
-    verdicts = decide([subject("Flaky"), subject("Rerouted")], [failing, rerouted], MARGINS, POLICY, seed=0)
-    assert verdicts[0].verdict == "inconclusive" and "8 of 20 probe requests failed (http_503 ×24)" in verdicts[0].reason
-    assert verdicts[1].verdict == "inconclusive" and "Someone Else ×3" in verdicts[1].reason
-
-
-def sample_audit(name: str, *, shift: float, k: int, seed: int, extreme_share: float = 0.0) -> Audit:
-    """Rank scores as the reference would give them: N(shift, 1/24) per 24-token completion,
-    with ``extreme_share`` of completions from a much coarser model."""
-    rng = random.Random(seed)
-    audit = Audit(name, f"{name.lower()}/x", "sample")
-    for p in range(16):
-        for j in range(k):
-            mean = 0.8 if rng.random() < extreme_share else shift
-            audit.sampled.append(SampledText(f"p{p}", j, "provider", [1, 2, 3, j], -2.0, rng.gauss(mean, 24**-0.5), 24))
-            audit.sampled.append(SampledText(f"p{p}", j, "reference", [1, 2, 3, j + 1], -2.0, rng.gauss(0, 24**-0.5), 24))
-        audit.served_by[name] += k
-    return audit
-
-
-def test_sample_mode_decisions() -> None:
-    audits = [
-        sample_audit("Same", shift=0.0, k=4, seed=1),
-        sample_audit("Shifted", shift=0.6, k=4, seed=2),
-        sample_audit("Mixture", shift=0.0, k=4, seed=3, extreme_share=0.2),
-    ]
-    verdicts = decide([subject(a.provider) for a in audits], audits, MARGINS, POLICY, seed=0)
-    by_name = {v.provider: v for v in verdicts}
-    assert by_name["Same"].verdict == "equivalent"
-    assert by_name["Shifted"].verdict == "different"
-    assert by_name["Mixture"].verdict == "different" and "extreme completions" in by_name["Mixture"].reason
-    assert {t.kind for t in by_name["Same"].tests} == {"difference", "equivalence", "baseline"}
-    score = by_name["Same"].effects["rank_score"]
-    assert score.ci_low < 0.0 < score.ci_high
-    reference = by_name["Same"].effects["reference_rank_score"]
-    assert -0.1 < reference.value < 0.1  # the reference's own text centres on 0
 
 
 @pytest.mark.parametrize("layout", ["vllm", "sglang", "vllm-by-name"])

@@ -17,14 +17,26 @@ def file_name(tag: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", tag.lower()).strip("-") + ".png"
 
 
-def _figure(width: float = 7.0, height: float = 3.2) -> tuple[Any, Any]:
+def _figure(width: float = 10.0, height: float = 3.2) -> tuple[Any, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(width, height), dpi=110)
+    fig, axes = plt.subplots(1, 3, figsize=(width, height), dpi=110)
     return fig, axes
+
+
+def _e_process(ax: Any, wealth: Sequence[float], threshold: float) -> None:
+    """The combined difference e-process after each completion, on a log scale, against the
+    wealth that makes the provider ``different`` (1/α times the providers, Holm's worst case)."""
+    ax.plot(range(1, len(wealth) + 1), [max(w, 1e-6) for w in wealth], color="#4477aa")
+    ax.axhline(threshold, color="#ee6677", linestyle=":", label=f"different at ≥ {threshold:g}")
+    ax.axhline(1.0, color="grey", linewidth=0.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("audited completions")
+    ax.set_ylabel("e-process (wealth)")
+    ax.legend(fontsize=7)
 
 
 def png(fig: Any) -> bytes:
@@ -46,10 +58,19 @@ def _ecdf(ax: Any, values: Sequence[float], label: str, **style: Any) -> None:
     ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=label, **style)
 
 
-def logprob_audit(title: str, deltas: Sequence[float], completion_means: Sequence[float], *, margin: float, tail: float) -> bytes:
-    """Left: ECDF of per-token |Δ logprob|. Right: per-completion mean |Δ| against the
-    equivalence margin and the extreme-completion threshold."""
-    fig, (left, right) = _figure()
+def logprob_audit(
+    title: str,
+    deltas: Sequence[float],
+    completion_means: Sequence[float],
+    *,
+    margin: float,
+    tail: float,
+    wealth: Sequence[float],
+    threshold: float,
+) -> bytes:
+    """Left: ECDF of per-token |Δ logprob|. Middle: per-completion mean |Δ| against the
+    equivalence margin and the extreme-completion threshold. Right: the e-process."""
+    fig, (left, right, third) = _figure()
     _ecdf(left, [abs(d) for d in deltas], "per token")
     left.set_xscale("symlog", linthresh=1e-3)
     left.set_xlabel("|Δ logprob| (provider − reference)")
@@ -59,23 +80,30 @@ def logprob_audit(title: str, deltas: Sequence[float], completion_means: Sequenc
     right.axvline(margin, color="#228833", linestyle="--", label=f"margin {margin:g}")
     right.axvline(tail, color="#ee6677", linestyle=":", label=f"extreme > {tail:g}")
     right.set_xlabel("mean |Δ| per completion")
+    right.set_ylabel("completions")
     right.legend(fontsize=7)
+    _e_process(third, wealth, threshold)
     return png(fig)
 
 
-def sample_audit(title: str, provider: Sequence[float], reference: Sequence[float]) -> bytes:
-    """ECDFs of the rank score (mean normal score of each token's PIT under the reference) of
-    provider vs reference samples; the reference's own centre on 0."""
-    fig, (left, right) = _figure()
+def sample_audit(
+    title: str, provider: Sequence[float], reference: Sequence[float], *, wealth: Sequence[float], threshold: float
+) -> bytes:
+    """ECDFs and histograms of the rank z (each token's PIT under the reference as a normal
+    score, summed over √tokens) of provider vs reference samples: N(0, 1) for the reference's
+    own text. Right: the e-process."""
+    fig, (left, right, third) = _figure()
     _ecdf(left, provider, "provider samples", color="#ee6677")
     _ecdf(left, reference, "reference samples", color="#4477aa")
-    left.set_xlabel("rank score (0 for the reference's own text)")
+    left.set_xlabel("rank z (N(0, 1) for the reference's own text)")
     left.set_ylabel("ECDF")
     left.set_title(title, fontsize=9)
     left.legend(fontsize=7)
     right.hist([provider, reference], bins=15, label=["provider", "reference"], color=["#ee6677", "#4477aa"])
-    right.set_xlabel("rank score")
+    right.set_xlabel("rank z")
+    right.set_ylabel("completions")
     right.legend(fontsize=7)
+    _e_process(third, wealth, threshold)
     return png(fig)
 
 

@@ -196,18 +196,31 @@ class Survey(_Section):
 
 
 class Probes(_Section):
-    """The verification probe design (the survey prices it for the budget plan)."""
+    """The verification probe design, per round (the survey prices it for the budget plan)."""
 
-    prompts: int = Field(default=25, ge=2)
-    completions_per_prompt: int = Field(default=2, ge=1)
+    prompts: int = Field(default=12, ge=2)
+    """Probe prompts per round: every undecided provider gets the next this many."""
+    completions_per_prompt: int = Field(default=1, ge=1)
     """Completions per prompt in logprob mode."""
-    sample_mode_completions_per_prompt: int = Field(default=4, ge=1)
-    """Completions per prompt from each side in sample mode (no provider logprobs)."""
-    max_tokens: int = Field(default=32, ge=1)
+    sample_mode_completions_per_prompt: int = Field(default=3, ge=1)
+    """Completions per prompt in sample mode (no provider logprobs)."""
+    max_tokens: int = Field(default=64, ge=1)
     temperature: float = Field(default=1.0, gt=0, le=2)
+    """Must be 1: the sampler check compares the sampled tokens with the reference's raw
+    distribution, which is the sampling distribution only at T = 1 (and top-p 1)."""
     top_logprobs: int = Field(default=5, ge=1, le=20)
     mean_prompt_tokens: int = Field(default=60, ge=1)
     """Expected prompt length in tokens, for the cost estimate."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _raw_distribution(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError(
+                "must be 1.0: the sampler check tests the sampled tokens against the reference's raw "
+                "distribution, which is what a sampler draws from only at temperature 1"
+            )
+        return value
 
 
 class Margins(_Section):
@@ -217,37 +230,51 @@ class Margins(_Section):
     mean_abs_dlogprob: float = Field(default=0.08, gt=0)
     """Logprob mode: largest mean |Δ logprob| per token that counts as the same model."""
     tail_dlogprob: float = Field(default=0.25, gt=0)
-    """Logprob mode: a completion whose mean |Δ| exceeds this is extreme."""
+    """Logprob mode: a completion whose mean |Δ| exceeds this is extreme (and the mean
+    test clips each completion here)."""
     tail_p0: float = Field(default=0.001, gt=0, lt=1)
     """Share of extreme completions a faithful provider may produce."""
-    sample_mean_z: float = Field(default=0.008, gt=0)
-    """Sample mode: mean rank score (normal score of each token's PIT under the reference;
-    0 for the reference's own text) above which a provider is different (bf16 compute
-    shifts it by ~0.01 at most; NVFP4 by ~0.23)."""
-    sample_equivalence_z: float = Field(default=0.05, gt=0)
-    """Sample mode: mean rank score below which (with confidence) a provider is equivalent.
-    Wider than ``sample_mean_z``: at a few hundred completions no margin as tight as a
-    faithful provider's own shift can be shown from below."""
+    sampler_shift: float = Field(default=0.05, gt=0, lt=0.5)
+    """Both modes: mean Φ(rank z) further than this from ½ → different (½ for the
+    reference's own sampler)."""
+    sampler_equivalence: float = Field(default=0.15, gt=0, lt=0.5)
+    """Both modes: mean Φ(rank z) shown within ½ ± this → equivalent (wider than
+    ``sampler_shift``: a margin as tight as a faithful provider's own shift would take
+    thousands of completions to show from inside)."""
     sample_tail_z: float = Field(default=2.0, gt=0)
-    """Sample mode: a completion whose rank z (score × √tokens) exceeds this is extreme."""
+    """A completion whose rank z exceeds this is extreme (both modes)."""
     sample_tail_p0: float = Field(default=0.025, gt=0, lt=1)
-    """Share of extreme completions a faithful provider may produce in sample mode
-    (1 - Φ(2) = 2.3 % for the reference's own text)."""
+    """Share of extreme-z completions a faithful provider may produce (1 - Φ(2) = 2.3 %
+    for the reference's own text)."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Margins:
-        if self.sample_equivalence_z < self.sample_mean_z:
-            raise ValueError("sample_equivalence_z must be at least sample_mean_z")
+        if self.sampler_equivalence < self.sampler_shift:
+            raise ValueError("sampler_equivalence must be at least sampler_shift")
+        if self.tail_dlogprob <= self.mean_abs_dlogprob:
+            raise ValueError("tail_dlogprob must exceed mean_abs_dlogprob")
         return self
 
 
 class Decision(_Section):
     alpha: float = Field(default=0.05, gt=0, lt=1)
     correction: Literal["holm", "bh"] = "holm"
-    """Across providers: Holm (family-wise error) or Benjamini-Hochberg (false discovery rate)."""
-    min_power: float = Field(default=0.8, gt=0, lt=1)
+    """Across providers: Holm on anytime-valid p-values (family-wise error) or e-BH (false
+    discovery rate, any dependence)."""
+    min_power: float = Field(default=0.95, gt=0, lt=1)
+    """``equivalent`` needs the audit to have had at least this chance of catching a
+    ``mixture_share`` mixture."""
     mixture_share: float = Field(default=0.2, gt=0, le=1)
     """The smallest share of lower-precision traffic the audit must be able to catch."""
+    mixture_detection_logprob: float = Field(default=0.98, gt=0, le=1)
+    """Share of a coarse precision's completions flagged extreme in logprob mode (measured
+    by ``benchmarks/verify_power.py`` on NVFP4: the lower end of its 95 % interval)."""
+    mixture_detection_sample: float = Field(default=0.34, gt=0, le=1)
+    mixture_detection_tokens: int = Field(default=64, ge=1)
+    """The probe length (``probes.max_tokens``) both rates were measured at: shorter probes
+    flag fewer coarse completions, so the stage refuses them until the rates are measured
+    again (``benchmarks/verify_power.py --tokens``)."""
+    """The same in sample mode (rank z beyond ``sample_tail_z``)."""
     max_failed_share: float = Field(default=0.25, ge=0, le=1)
     """More failed probe requests than this makes a provider inconclusive."""
 
@@ -255,15 +282,32 @@ class Decision(_Section):
 class Verify(_Section):
     seed: int = 0
     probes: Probes = Probes()
+    max_probes_per_provider: int = Field(default=128, ge=2)
+    """Probe prompts a provider is audited with at most (over all rounds) before it is
+    ``inconclusive``."""
     margin: Margins = Margins()
     decision: Decision = Decision()
     audit_declared_excluded: bool = True
     """Also audit providers the survey excluded only for their declared precision, to check
     the declaration (they stay excluded whatever the verdict)."""
     max_cost_usd: float = Field(default=1.0, gt=0)
-    """The stage refuses to start when the planned probe cost exceeds this."""
+    """The stage refuses to start when the planned probe cost (every provider audited to
+    ``max_probes_per_provider``) exceeds this."""
     concurrency: int = Field(default=32, ge=1, le=2000)
     max_attempts: int = Field(default=3, ge=1, le=10)
+
+    @model_validator(mode="after")
+    def _rounds(self) -> Verify:
+        if self.max_probes_per_provider < self.probes.prompts:
+            raise ValueError("max_probes_per_provider must be at least probes.prompts (one round)")
+        if self.probes.max_tokens < self.decision.mixture_detection_tokens:
+            raise ValueError(
+                f"probes.max_tokens {self.probes.max_tokens} is shorter than the "
+                f"{self.decision.mixture_detection_tokens} tokens decision.mixture_detection_* were measured at: "
+                "shorter probes flag fewer coarse completions; measure the rates again (benchmarks/verify_power.py "
+                "--tokens) and set them with decision.mixture_detection_tokens"
+            )
+        return self
 
 
 class GenerationSampling(_Section):

@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from quanthunt import figures, stats
+from quanthunt import figures
+from quanthunt.params import Decision, Margins
 from quanthunt.survey import ProviderRow
 from quanthunt.verdicts import Verdicts
 
@@ -46,7 +47,7 @@ def cost_rows(datasets: Sequence[DatasetView]) -> list[dict[str, Any]]:
 def verification_rows(verdicts: Verdicts) -> list[dict[str, Any]]:
     rows = []
     for v in verdicts.providers:
-        effect = v.effects.get("mean_abs_dlogprob") or v.effects.get("rank_score")
+        effect = v.effects.get("mean_abs_dlogprob") or v.effects.get("rank_z")
         rows.append(
             {
                 "tag": v.tag,
@@ -61,22 +62,31 @@ def verification_rows(verdicts: Verdicts) -> list[dict[str, Any]]:
     return rows
 
 
-def power_curves(*, alpha: float, p0: float, share: float) -> bytes:
-    """Power of the tail test against a ``share`` mixture, and of the mean test for three
-    effect sizes, by number of audited completions."""
+def power_curves(verdicts: Verdicts, margin: Margins, policy: Decision) -> bytes:
+    """The sequential audit's power to catch a ``mixture_share`` mixture, by audited
+    completions, in each mode (exact, from the calibrated per-completion detection rates),
+    against ``min_power``; each provider is marked at the completions it was audited with."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ns = list(range(2, 61))
+    from quanthunt.decision import mixture_power
+
+    top = max([v.completions for v in verdicts.providers] + [60])
     fig, ax = plt.subplots(figsize=(6.5, 3.2), dpi=110)
-    ax.plot(ns, [stats.tail_power(share, n, p0=p0, alpha=alpha) for n in ns], label=f"tail test, {share:.0%} mixture")
-    for d in (0.5, 1.0, 2.0):
-        ax.plot(ns, [stats.mean_shift_power(d, n, alpha=alpha) for n in ns], linestyle="--", label=f"mean test, effect {d:g} sd")
-    ax.axhline(0.9, color="grey", linewidth=0.8)
-    ax.set_xlabel("audited completions")
-    ax.set_ylabel(f"power at α = {alpha}")
+    providers = len(verdicts.providers)
+    for mode, color in (("logprob", "#4477aa"), ("sample", "#ee6677")):
+        curve = mixture_power(mode, top, providers=providers, margin=margin, policy=policy)
+        ax.plot(range(1, top + 1), curve, color=color, label=f"{mode} mode")
+        for v in verdicts.providers:
+            if v.mode == mode and v.completions:
+                ax.plot([v.completions], [curve[min(v.completions, top) - 1]], "o", color=color, markersize=4)
+                ax.annotate(v.provider, (v.completions, curve[min(v.completions, top) - 1]), fontsize=6, rotation=30)
+    ax.axhline(policy.min_power, color="grey", linewidth=0.8, linestyle="--", label=f"min_power {policy.min_power:g}")
+    ax.set_xlabel("audited completions (dots: each provider's audit)")
+    ax.set_ylabel(f"P(catch a {policy.mixture_share:.0%} mixture)")
+    ax.set_title(f"Sequential tail test at α = {policy.alpha}, worst case of the correction", fontsize=9)
     ax.legend(fontsize=7)
     return figures.png(fig)
 
@@ -120,9 +130,8 @@ def render(
     verdicts: Verdicts,
     provider_plots: Mapping[str, bytes],
     datasets: Sequence[DatasetView],
-    alpha: float,
-    p0: float,
-    share: float,
+    margin: Margins,
+    policy: Decision,
 ) -> str:
     """The whole page."""
     costs = cost_rows(datasets)
@@ -235,7 +244,7 @@ Verification MLflow run: {html.escape(verdicts.verification_run_id or "")}.</p>
 <p>α = {verdicts.alpha}, {verdicts.correction} correction across providers; equivalence is only shown against a margin.</p>
 {verdict_table}
 <h2 id="shift">Distribution shift per provider</h2>{plots or "<p>No verification plots found.</p>"}
-<h2 id="power">Power of the tests</h2>{_img(power_curves(alpha=alpha, p0=p0, share=share), "power curves")}
+<h2 id="power">Power of the tests</h2>{_img(power_curves(verdicts, margin, policy), "power curves")}
 <h2 id="datasets">Datasets</h2>{dataset_table}
 <h2 id="cost">Cost</h2>{cost_plots or "<p>No generated records yet.</p>"}
 <h2 id="tokens">Tokens and lengths</h2>{token_plot or "<p>No generated records yet.</p>"}

@@ -17,7 +17,7 @@ from typing import Any
 
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import Endpoint, ModelReasoning
-from quanthunt.params import Budget, Policy, Probes
+from quanthunt.params import Budget, Policy, Verify
 
 CANDIDATE = "candidate"
 SENT_PARAMETERS = ("max_tokens", "temperature", "top_p", "seed")
@@ -164,13 +164,21 @@ def price_scenario(name: str, row: ProviderRow, budget: Budget) -> Scenario:
     )
 
 
-def probe_cost(row: ProviderRow, probes: Probes) -> float:
-    """USD to audit one provider with the verification probe design."""
-    requests = probes.prompts * probes.completions_per_prompt
-    return requests * (probes.mean_prompt_tokens * row.prompt_usd_per_m + probes.max_tokens * row.completion_usd_per_m) / 1e6
+def probe_requests(row: ProviderRow, verify: Verify) -> int:
+    """The most probe requests the verify stage sends one provider (every round it may take)."""
+    p = verify.probes
+    per_prompt = p.completions_per_prompt if row.supports_logprobs else p.sample_mode_completions_per_prompt
+    return verify.max_probes_per_provider * per_prompt
 
 
-def plan_budget(rows: Sequence[ProviderRow], budget: Budget, probes: Probes) -> dict[str, Any]:
+def probe_cost(row: ProviderRow, verify: Verify) -> float:
+    """USD to audit one provider in the worst case (undecided until its last round)."""
+    p = verify.probes
+    per_request = p.mean_prompt_tokens * row.prompt_usd_per_m + p.max_tokens * row.completion_usd_per_m
+    return probe_requests(row, verify) * per_request / 1e6
+
+
+def plan_budget(rows: Sequence[ProviderRow], budget: Budget, verify: Verify) -> dict[str, Any]:
     """The budget plan: the purchase at the cheapest, median and worst candidate, what the
     budget affords, and what auditing every candidate costs."""
     candidates = sorted((r for r in rows if r.is_candidate), key=lambda r: (r.completion_usd_per_m, r.prompt_usd_per_m))
@@ -180,7 +188,7 @@ def plan_budget(rows: Sequence[ProviderRow], budget: Budget, probes: Probes) -> 
         median_row = next(r for r in candidates if r.completion_usd_per_m == median)
         for name, row in (("cheapest", candidates[0]), ("median", median_row), ("worst", candidates[-1])):
             scenarios.append(price_scenario(name, row, budget))
-    per_endpoint = {r.tag: round(probe_cost(r, probes), 6) for r in candidates}
+    per_endpoint = {r.tag: round(probe_cost(r, verify), 6) for r in candidates}
     verification_cost = sum(per_endpoint.values())
     return {
         "budget_usd": budget.usd,
@@ -192,7 +200,8 @@ def plan_budget(rows: Sequence[ProviderRow], budget: Budget, probes: Probes) -> 
         "scenarios": [asdict(s) for s in scenarios],
         "verification": {
             "providers": len(candidates),
-            "requests": len(candidates) * probes.prompts * probes.completions_per_prompt,
+            "requests": sum(probe_requests(r, verify) for r in candidates),
+            "worst_case": "every provider undecided until verify.max_probes_per_provider",
             "cost_usd": round(verification_cost, 6),
             "per_endpoint_usd": per_endpoint,
         },

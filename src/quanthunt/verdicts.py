@@ -56,9 +56,15 @@ class ProviderVerdict(_Model):
     effects: dict[str, Estimate]
     power: dict[str, float]
     probes_needed: int | None
-    """Probes (completions) the tests would need for their target power, when inconclusive."""
+    """When inconclusive: about how many more completions the verdict would need."""
     probes: int = Field(ge=0)
     completions: int = Field(ge=0)
+    rounds: int = Field(default=1, ge=0)
+    """Audit rounds this provider took part in (decided providers stop early)."""
+    e_value: float = Field(default=1.0, ge=0)
+    """The largest wealth the provider's combined difference e-process reached."""
+    e_path: list[float] = Field(default_factory=list)
+    """That e-process after each completion, in audit order (for the report's plot)."""
     failed_requests: int = Field(ge=0)
     errors: dict[str, int]
     tokens: int = Field(ge=0)

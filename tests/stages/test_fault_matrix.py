@@ -70,8 +70,10 @@ def verify_project(project: Project, sandbox: SandboxProcess) -> None:
     point_at(project, sandbox)
     for key, value in {
         "verify.probes.prompts": 8,
+        "verify.max_probes_per_provider": 8,  # one round: these tests are about faults, not power
         "verify.probes.sample_mode_completions_per_prompt": 2,
         "verify.probes.max_tokens": 8,
+        "verify.decision.mixture_detection_tokens": 8,  # the rates as measured at 64 tokens: fine for fault tests
     }.items():
         project.set_param(key, value)
     assert project.run("survey", "--params", "params.yaml").returncode == 0
@@ -87,9 +89,8 @@ def test_verify_under_provider_faults(project: Project, latency_sandbox: Callabl
     by_name = {p["provider"]: p for p in verdicts["providers"]}
     for name in ("Alpha", "Beta"):
         assert by_name[name]["verdict"] in ("equivalent", "inconclusive")  # faults never make a faithful provider "different"
-        assert (
-            by_name[name]["verdict"] == "equivalent" or "failed" in by_name[name]["reason"] or "power" in by_name[name]["reason"]
-        )
+        reason = by_name[name]["reason"]
+        assert by_name[name]["verdict"] == "equivalent" or any(why in reason for why in ("failed", "power", "not shown")), reason
     assert by_name["Nolog"]["mode"] == "sample"
 
 

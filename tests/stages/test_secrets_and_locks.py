@@ -21,7 +21,9 @@ def test_a_planted_key_appears_nowhere(project: Project, latency_sandbox: Callab
         "reference.base_url": sandbox.reference_url,
         "datasets": ["tiny"],
         "verify.probes.prompts": 8,
+        "verify.max_probes_per_provider": 8,
         "verify.probes.max_tokens": 8,
+        "verify.decision.mixture_detection_tokens": 8,
         "generate.max_records": None,
     }
     for key, value in settings.items():

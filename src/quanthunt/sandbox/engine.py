@@ -136,7 +136,7 @@ _CANNED_WORDS = (
 _CANNED_TOKENS = tuple(TokenInfo(i, " " + w, (" " + w).encode()) for i, w in enumerate(_CANNED_WORDS))
 _CANNED_IDS = {w: i for i, w in reversed(list(enumerate(_CANNED_WORDS)))}
 """Canned word → its first id (some words repeat in the list)."""
-_CANNED_STREAM = [OutToken(info, -0.5) for info in random.Random(0).choices(_CANNED_TOKENS, k=4096)]
+_CANNED_STREAM = [OutToken(info, 0.0) for info in random.Random(0).choices(_CANNED_TOKENS, k=4096)]
 """"Generated" text: windows into one fixed pseudo-random stream of canned words."""
 
 
@@ -144,11 +144,11 @@ class LatencyEngine:
     """No model: canned text after the provider's latency, at its throughput.
 
     A token is a whitespace-separated word: canned words have their canned id, any other
-    word an id above them (from a hash). Logprobs are synthetic and consistent: every
-    sampled token has logprob -0.5 and the synthetic reference scores every token -0.5, so
-    the whole pipeline (verification included) runs without a model, for fault and load
-    tests; its verdicts measure nothing. Each request's text is a deterministic function
-    of its prompt and seed.
+    word an id above them (from a hash). Each request's text is a deterministic function of
+    its prompt and seed, and the logprobs say so: every sampled token has logprob 0 (it was
+    certain) and the synthetic reference scores every token 0, so the whole pipeline
+    (verification and its sampler check included) runs without a model, for fault and load
+    tests; its verdicts measure nothing.
     """
 
     mode = "latency"
@@ -193,9 +193,9 @@ class LatencyEngine:
     async def score(
         self, ids: Sequence[int], *, top_logprobs: int, precision: str = REFERENCE_PRECISION
     ) -> list[OutToken | None]:
-        """The synthetic reference (at every precision): every token after the first scores -0.5."""
+        """The synthetic reference (at every precision): every token after the first scores 0."""
         scored: list[OutToken | None] = [None]
         for token_id in list(ids)[1:]:
             info = self.token_info(token_id)
-            scored.append(OutToken(info, -0.5, [(info, -0.5)] if top_logprobs else []))
+            scored.append(OutToken(info, 0.0, [(info, 0.0)] if top_logprobs else []))
         return scored
