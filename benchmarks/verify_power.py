@@ -1,280 +1,260 @@
-"""Error rates of the verification tests, against the sandbox's real precisions.
+"""Error rates, power and audit sizes of the verification, against the sandbox's real precisions.
 
-Usage: ``.venv/bin/python benchmarks/verify_power.py [--seeds 60] [--prompts 25] [--pool 16] [--tokens 24]``
+Usage: ``.venv/bin/python benchmarks/verify_power.py [--seeds 60] [--providers 8]``
 
-Builds, once, a pool of completions per precision (T=1, ``--tokens`` tokens, ``--pool``
-per prompt for ``--prompts`` prompts drawn from the shipped datasets): the provider's
-logprobs of its sampled tokens and the reference's teacher-forced scores of the same
-tokens. A 20 % NVFP4 mixture draws each completion from the NVFP4 pool with probability
-0.2, else from the faithful pool. Then, for every seed, it subsamples audits of several
-sizes and runs the stage's own decision (``verification.decide``) and the MMD-Hamming
-baseline on the *same* samples, and prints the share of seeds in which each precision
-was found different (false-positive rate for faithful precisions, power otherwise) and
-equivalent at alpha = 0.05. It also prints the faithful bf16 distribution the margins
-are calibrated on. Building the pools takes ~40 minutes on 2 cores; they are cached
-(``~/.cache/quanthunt/benchmarks``), so later runs take a few minutes.
+The pools (``power_pools.py``: 24 prompts × 12 completions of 64 tokens per served
+distribution, each with the provider's logprobs and the reference's teacher-forced top-20)
+take ~40 minutes to build once and are cached. An audit longer than a pool (sample mode
+past 288 completions) reuses its completions in a new order. For every seed and every subject, this
+script then replays the verify stage's sequential audit on them: rounds of the stage's
+``verify.probes.prompts`` prompts (each prompt's completions drawn without replacement), up
+to ``verify.max_probes_per_provider``, judged after every round by the stage's own
+``decision.judge`` as one provider among ``--providers`` (Holm's worst case), stopping at
+the first verdict. Side by side on the same samples:
+
+- **fixed**: the one-shot tests the stage used before (t-test of the mean against its margin,
+  binomial tail count; Holm over the two) on the first round only;
+- **MMD**: MMD with a Hamming kernel (Gao et al., ICLR 2025) on the sample-mode provider
+  completions the sequential audit used, against as many of the reference's own samples per
+  prompt (in logprob mode one completion per prompt makes MMD blind, so it is not run).
+
+It prints, per mode and subject, the share of seeds found different / equivalent /
+inconclusive, the median completions to a verdict, and the calibration the params take:
+the faithful bf16 shifts the margins must admit and the per-completion flag rates of NVFP4
+(``verify.decision.mixture_detection_*``). Faithful rows are false-positive rates.
 """
 
 from __future__ import annotations
 
 import argparse
-import pickle
 import random
 import statistics
 import time
-from collections import Counter
-from dataclasses import dataclass
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
-import torch
+from power_pools import SERVED, Item, load_pools
 
 from quanthunt import stats
-from quanthunt.params import load_params
-from quanthunt.prompts import load_prompts
-from quanthunt.sandbox.engine import SamplingRequest
-from quanthunt.sandbox.model import PrecisionStore, cache_root, load_reference
-from quanthunt.sandbox.sampler import Sampler
-from quanthunt.verification import (
-    RANK_TOP_K,
-    Audit,
-    LogprobCompletion,
-    Margins,
-    Policy,
-    SampledText,
-    Subject,
-    decide,
-    probe_seed,
-    rank_score,
-    select_probes,
-)
+from quanthunt.decision import Subject, judge
+from quanthunt.params import Params, load_params
+from quanthunt.verification import RANK_TOP_K, Audit, LogprobCompletion, SampledText, rank_z
 
 ROOT = Path(__file__).resolve().parents[1]
+FAITHFUL = ("int4-native", "int4-bf16act")
+SUBJECTS = (
+    *FAITHFUL,
+    "nvfp4",
+    "mxfp4",
+    "int4-g128",
+    "substitute",
+    "10% nvfp4",
+    "20% nvfp4",
+    "temperature +0.3",
+    "temperature -0.3",
+    "temperature +0.1",
+    "temperature -0.1",
+    "forced top-p 0.9",
+)
+TOP_LOGPROBS = 5
+"""Logprob mode's sampler check sees the reference's top 5 (``verify.probes.top_logprobs``)."""
 
 
-@dataclass
-class Item:
-    """One pooled completion: provider logprobs and reference scores of its tokens, and the
-    reference's entropy (from its top-20) at each position."""
+class Scores:
+    """Each pooled completion's observations, computed once: mean |Δ| and rank z as the
+    logprob-mode audit sees them (top 5), and rank z as sample mode sees it (top 20)."""
 
-    probe: str
-    token_ids: list[int]
-    provider_logprobs: list[float]
-    reference_logprobs: list[float]
-    reference_tops: list[dict[str, float]]
-    """The reference's top-20 at each position, plus the sampled token when not among them."""
+    def __init__(self) -> None:
+        self._cache: dict[int, tuple[float, float, float]] = {}
 
-    @property
-    def mean_loglik(self) -> float:
-        return statistics.fmean(self.reference_logprobs) if self.reference_logprobs else 0.0
-
-    def rank_score(self, seed: str) -> float:
-        return rank_score(self.reference_logprobs, self.reference_tops, listed=RANK_TOP_K, seed=seed)
-
-
-def build_pool(
-    sampler: Sampler, reference: Sampler, prompts: list[tuple[str, list[int]]], per_prompt: int, tokens: int, seed: int
-) -> list[Item]:
-    requests = [
-        (probe, ids, SamplingRequest(tuple(ids), tokens, temperature=1.0, seed=probe_seed(seed, probe, j)))
-        for probe, ids in prompts
-        for j in range(per_prompt)
-    ]
-    items: list[Item] = []
-    for start in range(0, len(requests), 32):
-        chunk = requests[start : start + 32]
-        samples = sampler.sample([r for _, _, r in chunk])
-        jobs = [(list(ids) + sample.token_ids, RANK_TOP_K) for (_, ids, _), sample in zip(chunk, samples, strict=True)]
-        for (probe, ids, _), sample, score in zip(chunk, samples, reference.score_many(jobs), strict=True):
-            tail = [t for t in score[len(ids) :] if t is not None]
-            tops = [{str(i): lp for i, lp in t.top} | {str(t.token_id): t.logprob} for t in tail]
-            provider = [t.logprob for t in sample.logprobs]
-            items.append(Item(probe, sample.token_ids, provider, [t.logprob for t in tail], tops))
-    return items
+    def __call__(self, item: Item) -> tuple[float, float, float]:
+        key = id(item)
+        if key not in self._cache:
+            seed = f"{item.probe}:{item.token_ids}"
+            shift = statistics.fmean(abs(d) for d in item.deltas) if item.deltas else 0.0
+            self._cache[key] = (
+                shift,
+                rank_z(item.positions(TOP_LOGPROBS), listed=TOP_LOGPROBS, seed=seed),
+                rank_z(item.positions(RANK_TOP_K), listed=RANK_TOP_K, seed=seed),
+            )
+        return self._cache[key]
 
 
-def by_probe(pool: list[Item]) -> dict[str, list[Item]]:
-    grouped: dict[str, list[Item]] = {}
-    for item in pool:
-        grouped.setdefault(item.probe, []).append(item)
-    return grouped
+def draws(pool: dict[str, list[Item]], mixed: dict[str, list[Item]] | None, share: float, rng: random.Random) -> list[list[Item]]:
+    """Each probe's completions in a seeded order (drawn without replacement); a mixture
+    takes each slot from ``mixed`` with probability ``share``."""
+    out = []
+    for probe in sorted(pool):
+        items = list(pool[probe])
+        rng.shuffle(items)
+        if mixed is not None:
+            other = list(mixed[probe])
+            rng.shuffle(other)
+            items = [o if rng.random() < share else i for i, o in zip(items, other, strict=True)]
+        out.append(items)
+    return out
 
 
-def mixture(
-    faithful: dict[str, list[Item]], lower: dict[str, list[Item]], share: float, rng: random.Random
-) -> dict[str, list[Item]]:
-    return {p: [lower[p][i] if rng.random() < share else item for i, item in enumerate(items)] for p, items in faithful.items()}
+def sequential(
+    mode: str, queues: list[list[Item]], scores: Scores, params: Params, providers: int, rng: random.Random
+) -> tuple[str, int, Audit, Audit]:
+    """Replay the stage's rounds; the verdict, completions used, that audit and its first round."""
+    v = params.verify
+    k = v.probes.completions_per_prompt if mode == "logprob" else v.probes.sample_mode_completions_per_prompt
+    order = list(range(len(queues)))
+    rng.shuffle(order)
+    taken = [0] * len(queues)
+    audit = Audit("p", "p/x", mode)
+    first = Audit("p", "p/x", mode)
+    subject = Subject("p", "p/x", "unknown", "candidate")
+    seq = 0
+    for number, start in enumerate(range(0, v.max_probes_per_provider, v.probes.prompts)):
+        for slot in range(start, min(start + v.probes.prompts, v.max_probes_per_provider)):
+            probe = order[slot % len(order)]
+            for _ in range(k):
+                item = queues[probe][taken[probe] % len(queues[probe])]
+                taken[probe] += 1
+                _, z5, z20 = scores(item)
+                audit.attempted += 1
+                audit.served_by["p"] += 1
+                if mode == "logprob":
+                    deltas = item.deltas
+                    audit.logprob.append(LogprobCompletion(item.probe, seq, len(deltas), len(deltas), deltas, [], [], z5, seq))
+                else:
+                    tokens = len(item.token_ids)
+                    audit.sampled.append(SampledText(item.probe, seq, "provider", item.token_ids, 0.0, z20, tokens, seq))
+                seq += 1
+        if number == 0:
+            first.logprob, first.sampled = list(audit.logprob), list(audit.sampled)
+        (state,) = judge([subject], [audit], v.margin, v.decision, family=providers)
+        if state.verdict is not None:
+            return state.verdict, seq, audit, first
+    return "inconclusive", seq, audit, first
 
 
-def logprob_audit(pool: dict[str, list[Item]], n: int, rng: random.Random) -> Audit:
-    """``n`` completions spread over the prompts (round-robin, random picks)."""
-    audit = Audit("p", "p/x", "logprob")
-    probes = list(pool)
-    rng.shuffle(probes)
-    for i in range(n):
-        probe = probes[i % len(probes)]
-        item = rng.choice(pool[probe])
-        deltas = [a - b for a, b in zip(item.provider_logprobs, item.reference_logprobs, strict=False)]
-        audit.logprob.append(LogprobCompletion(probe, i, len(deltas), len(deltas), deltas, [], []))
-    return audit
+def fixed_verdict(mode: str, first: Audit, params: Params, providers: int) -> bool:
+    """The one-shot tests on the first round: different if Holm over the mean and tail tests
+    (and over ``providers``, worst case) rejects."""
+    m = params.verify.margin
+    alpha = params.verify.decision.alpha
+    if mode == "logprob":
+        shifts = [c.mean_abs_delta for c in first.logprob]
+        mean_p = stats.one_sided_mean_test(shifts, threshold=m.mean_abs_dlogprob, alternative="greater").pvalue
+        tail_p = stats.binomial_tail_test(sum(s > m.tail_dlogprob for s in shifts), len(shifts), p0=m.tail_p0)
+    else:
+        zs = [s.rank_z for s in first.sampled]
+        mean_p = stats.one_sided_mean_test(zs, threshold=0.0, alternative="greater").pvalue
+        tail_p = stats.binomial_tail_test(sum(z > m.sample_tail_z for z in zs), len(zs), p0=m.sample_tail_p0)
+    pvalues = [mean_p, tail_p]  # the old stage had no sampler check in logprob mode
+    adjusted = stats.holm(pvalues + [1.0] * (2 * providers - len(pvalues)))
+    return min(adjusted[: len(pvalues)]) < alpha
 
 
-def sample_audit(pool: dict[str, list[Item]], reference: dict[str, list[Item]], k: int, rng: random.Random) -> Audit:
-    audit = Audit("p", "p/x", "sample")
-    for probe, provided in pool.items():
-        for source, items in (("provider", provided), ("reference", reference[probe])):
-            for j, item in enumerate(rng.sample(items, k)):
-                score = item.rank_score(f"{probe}:{j}:{source}:{item.token_ids}")
-                audit.sampled.append(
-                    SampledText(probe, j, source, item.token_ids, item.mean_loglik, score, len(item.reference_logprobs))
-                )
-    return audit
+def mmd_rejects(audit: Audit, reference: dict[str, list[Item]], params: Params, providers: int, rng: np.random.Generator) -> bool:
+    """MMD on the audit's distinct completions (past the pool's size the replay reuses them,
+    and a duplicate would look like self-similarity) against as many reference samples."""
+    seen: set[tuple[int, ...]] = set()
+    provider = []
+    for s in audit.sampled:
+        key = (hash(s.probe_id), *s.token_ids)
+        if key not in seen and sum(p.probe_id == s.probe_id for p in provider) < len(reference[s.probe_id]):
+            seen.add(key)
+            provider.append(s)
+    per_probe = Counter(s.probe_id for s in provider)
+    ref = [(probe, item) for probe, count in per_probe.items() for item in reference[probe][:count]]
+    test = stats.mmd_hamming_test(
+        [s.token_ids for s in provider], [i.token_ids for _, i in ref], [s.probe_id for s in provider], [p for p, _ in ref],
+        n_permutations=500, rng=rng,
+    )  # fmt: skip
+    return test.pvalue * providers < params.verify.decision.alpha
 
 
-def verdict(audit: Audit, margins: Margins, policy: Policy, seed: int) -> str:
-    """The stage's own decision for one provider."""
-    (judged,) = decide([Subject("p", "p/x", "unknown", "candidate")], [audit], margins, policy, seed=seed)
-    return judged.verdict
-
-
-def load_or_build_pools(args: argparse.Namespace, params: object) -> dict[str, dict[str, list[Item]]]:
-    """The pools take most of the time: they are cached on disk by their settings."""
-    key = f"verify-pools-p{args.prompts}-n{args.pool}-t{args.tokens}-v3.pkl"
-    cached = cache_root() / "benchmarks" / key
-    if cached.exists() and not args.rebuild:
-        print(f"pools from {cached}", flush=True)
-        return pickle.loads(cached.read_bytes())
-    model, tokenizer = load_reference()
-    store = PrecisionStore(model)
-    datasets = {name: load_prompts(params.paths.prompt_file(ROOT, name)) for name in params.datasets}  # type: ignore[attr-defined]
-    probes = select_probes(datasets, count=args.prompts, seed=0)
-    prompts = [
-        (p.id, list(tokenizer.apply_chat_template(p.as_messages(), add_generation_prompt=True, return_dict=True)["input_ids"]))
-        for p in probes
-    ]
-    reference = Sampler(model, tokenizer, stop_token_ids=[])
-    pools: dict[str, dict[str, list[Item]]] = {}
-    started = time.perf_counter()
-    for name, precision, seed in (
-        ("reference samples", "int4-native", 101),
-        ("int4-native", "int4-native", 0),
-        ("int4-bf16act", "int4-bf16act", 0),
-        ("nvfp4", "nvfp4", 0),
-    ):
-        sampler = Sampler(store.get(precision), tokenizer, stop_token_ids=[])
-        pools[name] = by_probe(build_pool(sampler, reference, prompts, args.pool, args.tokens, seed))
-        print(f"pool {name}: {args.prompts * args.pool} completions ({time.perf_counter() - started:.0f} s)", flush=True)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    cached.write_bytes(pickle.dumps(pools))
-    return pools
+def calibration(pools: dict[str, dict[str, list[Item]]], scores: Scores, params: Params) -> None:
+    m = params.verify.margin
+    norm = statistics.NormalDist()
+    print("\nPer-completion observations (all 288 pooled completions of each; 64 tokens):")
+    print(f"{'served':<20}{'mean |Δ|':>10}{'|Δ|>tail':>10}{'Φ(z) top5':>11}{'z5>2':>7}{'Φ(z) top20':>12}{'z20>2':>7}")
+    for name in ("reference samples", *SERVED.keys() - {"reference samples"}):
+        items = [i for group in pools[name].values() for i in group]
+        shift, z5, z20 = (np.array(column) for column in zip(*(scores(i) for i in items), strict=True))
+        pit5, pit20 = (np.array([norm.cdf(z) for z in zs]) for zs in (z5, z20))
+        print(
+            f"{name:<20}{shift.mean():>10.4f}{np.mean(shift > m.tail_dlogprob):>10.3f}"
+            f"{pit5.mean():>11.3f}{np.mean(z5 > m.sample_tail_z):>7.3f}"
+            f"{pit20.mean():>12.3f}{np.mean(z20 > m.sample_tail_z):>7.3f}"
+        )
+    print(
+        "  (margins: mean |Δ| ≤ "
+        f"{m.mean_abs_dlogprob}, extreme beyond {m.tail_dlogprob}; |Φ(z) − ½| ≤ {m.sampler_shift}, equivalence within "
+        f"½ ± {m.sampler_equivalence}; extreme z > {m.sample_tail_z}. NVFP4's extreme shares are "
+        "verify.decision.mixture_detection_logprob / _sample.)"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=60)
-    parser.add_argument("--prompts", type=int, default=25)
-    parser.add_argument("--pool", type=int, default=16, help="completions per prompt in each precision's pool")
-    parser.add_argument("--tokens", type=int, default=24)
-    parser.add_argument("--rebuild", action="store_true", help="rebuild the cached pools")
-    parser.add_argument("--sample-margin", type=float, default=None, help="override verify.margin.sample_mean_z")
+    parser.add_argument(
+        "--providers", type=int, default=8, help="providers in the correction family (the default roster audits 8)"
+    )
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--pool", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
     params = load_params(ROOT / "params.yaml")
-    m, d = params.verify.margin, params.verify.decision
-    margins = Margins(
-        m.mean_abs_dlogprob,
-        m.tail_dlogprob,
-        m.tail_p0,
-        args.sample_margin or m.sample_mean_z,
-        m.sample_tail_z,
-        m.sample_tail_p0,
-        m.sample_equivalence_z,
-    )
-    policy = Policy(d.alpha, d.correction, d.min_power, d.mixture_share, d.max_failed_share)
-    pools = load_or_build_pools(args, params)
+    pools = load_pools(prompts=args.prompts, per_prompt=args.pool, tokens=args.tokens)
+    scores = Scores()
+    started = time.perf_counter()
+    calibration(pools, scores, params)
 
-    bf16 = [
-        statistics.fmean(abs(a - b) for a, b in zip(i.provider_logprobs, i.reference_logprobs, strict=False))
-        for items in pools["int4-bf16act"].values()
-        for i in items
-    ]
-    nv = [
-        statistics.fmean(abs(a - b) for a, b in zip(i.provider_logprobs, i.reference_logprobs, strict=False))
-        for items in pools["nvfp4"].values()
-        for i in items
-    ]
-    print(f"\nper-completion mean |Δ logprob| (calibration; margin {m.mean_abs_dlogprob}, extreme above {m.tail_dlogprob}):")
-    for name, values in (("int4-bf16act", bf16), ("nvfp4", nv)):
-        q = np.quantile(values, [0.5, 0.99, 1.0] if name != "nvfp4" else [0.0, 0.01, 0.5])
-        above = sum(v > m.tail_dlogprob for v in values)
-        mean = statistics.fmean(values)
-        print(f"  {name:<13} mean {mean:.4f}  quantiles {np.round(q, 4).tolist()}  above threshold {above}/{len(values)}")
-
-    subjects = ("int4-native", "int4-bf16act", "nvfp4", "mix-20%-nvfp4")
-    budgets = (1, 2, 3, 5, 8, 11, 15, 20)
-    ks = tuple(k for k in (1, 2, 3, 5, 10) if k <= args.pool)
-    lp_rate: Counter[tuple[str, int]] = Counter()
-    lp_equiv: Counter[tuple[str, int]] = Counter()
-    sm_rate: Counter[tuple[str, int, str]] = Counter()
+    tally: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    sizes: dict[tuple[str, str], list[int]] = defaultdict(list)
     for seed in range(args.seeds):
-        rng = random.Random(seed)
-        nrng = np.random.default_rng(seed)
-        mix = mixture(pools["int4-native"], pools["nvfp4"], 0.2, rng)
-        subject_pools = {
-            "int4-native": pools["int4-native"],
-            "int4-bf16act": pools["int4-bf16act"],
-            "nvfp4": pools["nvfp4"],
-            "mix-20%-nvfp4": mix,
-        }
-        for name in subjects:
-            for n in budgets:
-                judged = verdict(logprob_audit(subject_pools[name], n, rng), margins, policy, seed)
-                lp_rate[(name, n)] += judged == "different"
-                lp_equiv[(name, n)] += judged == "equivalent"
-            for k in ks:
-                audit = sample_audit(subject_pools[name], pools["reference samples"], k, rng)
-                judged = verdict(audit, margins, policy, seed)
-                sm_rate[(name, k, "ours")] += judged == "different"
-                sm_rate[(name, k, "equivalent")] += judged == "equivalent"
-                provider = [s for s in audit.sampled if s.source == "provider"]
-                ref = [s for s in audit.sampled if s.source == "reference"]
-                mmd = stats.mmd_hamming_test(
-                    [s.token_ids for s in provider],
-                    [s.token_ids for s in ref],
-                    [s.probe_id for s in provider],
-                    [s.probe_id for s in ref],
-                    n_permutations=500,
-                    rng=nrng,
-                )
-                sm_rate[(name, k, "mmd")] += mmd.pvalue < policy.alpha
-    s = args.seeds
-    print(f"\nLogprob mode: share of {s} seeds found DIFFERENT (alpha {policy.alpha}; faithful rows are false-positive rates)")
-    print("audited completions  " + "".join(f"{n:>7}" for n in budgets))
-    for name in subjects:
-        print(f"{name:<21}" + "".join(f"{lp_rate[(name, n)] / s:>7.2f}" for n in budgets))
-    print("share found EQUIVALENT")
-    for name in subjects:
-        print(f"{name:<21}" + "".join(f"{lp_equiv[(name, n)] / s:>7.2f}" for n in budgets))
-    print(f"\nSample mode ({args.prompts} prompts): share of {s} seeds found DIFFERENT, ours vs MMD-Hamming on the same samples")
-    print("samples per prompt   " + "".join(f"{k:>12}" for k in ks))
-    for name in subjects:
-        cells = "".join(f"{sm_rate[(name, k, 'ours')] / s:>6.2f}/{sm_rate[(name, k, 'mmd')] / s:<5.2f}" for k in ks)
-        print(f"{name:<21}{cells}")
-    print("share found EQUIVALENT (ours)")
-    for name in subjects:
-        print(f"{name:<21}" + "".join(f"{sm_rate[(name, k, 'equivalent')] / s:>12.2f}" for k in ks))
-    print("\nsample-mode rank score per completion (0 ± 1/√tokens for the reference's own text), and z above the tail threshold:")
-    for name in ("reference samples", "int4-native", "int4-bf16act", "nvfp4"):
-        scored = [
-            (i.rank_score(f"calibration:{j}"), len(i.reference_logprobs))
-            for items in pools[name].values()
-            for j, i in enumerate(items)
-        ]
-        values = [v for v, _ in scored]
-        extreme = sum(v * n**0.5 > m.sample_tail_z for v, n in scored)
-        spread = f"{statistics.fmean(values):+.4f} ± {statistics.stdev(values):.4f}"
-        print(f"  {name:<18} {spread}   z > {m.sample_tail_z}: {extreme}/{len(values)}")
+        for name in SUBJECTS:
+            for mode in ("logprob", "sample"):
+                rng = random.Random(f"{seed}:{name}:{mode}")
+                if name.endswith("% nvfp4"):
+                    share = int(name.split("%")[0]) / 100
+                    queues = draws(pools["int4-native"], pools["nvfp4"], share, rng)
+                else:
+                    queues = draws(pools[name], None, 0.0, rng)
+                verdict, used, audit, first = sequential(mode, queues, scores, params, args.providers, rng)
+                key = (mode, name)
+                tally[key][verdict] += 1
+                sizes[key].append(used)
+                tally[key]["fixed different"] += fixed_verdict(mode, first, params, args.providers)
+                if mode == "sample":
+                    reference = {p: list(items) for p, items in pools["reference samples"].items()}
+                    for items in reference.values():
+                        rng.shuffle(items)
+                    for label, sample in (("mmd fixed", first), ("mmd same", audit)):
+                        tally[key][label] += mmd_rejects(sample, reference, params, args.providers, np.random.default_rng(seed))
+    n = args.seeds
+    v = params.verify
+    print(f"\n{n} seeds per row; alpha {v.decision.alpha}, Holm across {args.providers} providers (worst case); rounds of "
+          f"{v.probes.prompts} prompts up to {v.max_probes_per_provider} ({time.perf_counter() - started:.0f} s)")  # fmt: skip
+    for mode in ("logprob", "sample"):
+        k = v.probes.completions_per_prompt if mode == "logprob" else v.probes.sample_mode_completions_per_prompt
+        print(f"\n{mode} mode ({k} completion(s) per prompt): sequential verdict shares, completions to a verdict, and")
+        print(f"the baselines' share found different (fixed: first round of {v.probes.prompts * k}"
+              + ("; MMD on the first round / on the sequential audit's samples)" if mode == "sample" else ")"))  # fmt: skip
+        header = f"{'subject':<19}{'different':>10}{'equivalent':>11}{'inconcl.':>9}{'median n':>9}{'p90 n':>7}{'fixed':>7}"
+        print(header + (f"{'MMD 1st':>9}{'MMD same':>9}" if mode == "sample" else ""))
+        for name in SUBJECTS:
+            t = tally[(mode, name)]
+            used = sorted(sizes[(mode, name)])
+            row = (
+                f"{name:<19}{t['different'] / n:>10.2f}{t['equivalent'] / n:>11.2f}{t['inconclusive'] / n:>9.2f}"
+                f"{statistics.median(used):>9.0f}{used[int(0.9 * (len(used) - 1))]:>7}{t['fixed different'] / n:>7.2f}"
+            )
+            if mode == "sample":
+                row += f"{t['mmd fixed'] / n:>9.2f}{t['mmd same'] / n:>9.2f}"
+            print(row)
 
 
 if __name__ == "__main__":
+    import torch
+
     torch.set_num_threads(2)
     main()

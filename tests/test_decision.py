@@ -51,12 +51,12 @@ def outcome(audits: list[Audit]) -> dict[str, decision.State]:
 
 def test_logprob_mode_finds_precision_mixtures_and_the_sampler() -> None:
     audits = [
-        logprob_audit("Faithful", n=60, scale=1e-6),
-        logprob_audit("Bf16", n=60, scale=0.04, z_shift=0.05, seed=1),
-        logprob_audit("Nvfp4", n=60, scale=0.7, z_shift=1.5, seed=2),
-        logprob_audit("Mixture", n=60, scale=0.04, extreme_share=0.2, seed=3),
-        logprob_audit("Hot", n=60, scale=1e-6, z_shift=1.0, seed=4),  # exact numbers, hotter sampler
-        logprob_audit("Cold", n=60, scale=1e-6, z_shift=-1.0, seed=5),
+        logprob_audit("Faithful", n=150, scale=1e-6),
+        logprob_audit("Bf16", n=150, scale=0.04, z_shift=0.05, seed=1),
+        logprob_audit("Nvfp4", n=150, scale=0.7, z_shift=1.5, seed=2),
+        logprob_audit("Mixture", n=150, scale=0.04, extreme_share=0.2, seed=3),
+        logprob_audit("Hot", n=150, scale=1e-6, z_shift=1.0, seed=4),  # exact numbers, hotter sampler
+        logprob_audit("Cold", n=150, scale=1e-6, z_shift=-1.0, seed=5),
     ]
     states = outcome(audits)
     assert states["Faithful"].verdict == "equivalent" and states["Bf16"].verdict == "equivalent"
@@ -118,11 +118,11 @@ def test_failures_and_misrouting_are_inconclusive_at_once() -> None:
 
 
 def test_verdicts_report_the_sequence_and_the_fixed_sample_baselines() -> None:
-    audits = [logprob_audit("Faithful", n=48, scale=1e-6), sample_audit("Slow", n=12, seed=3)]
-    out = verdicts([subject(a) for a in audits], audits, MARGIN, POLICY, rounds=[4, 1], seed=0)
+    audits = [logprob_audit("Faithful", n=120, scale=1e-6), sample_audit("Slow", n=12, seed=3)]
+    out = verdicts([subject(a) for a in audits], audits, MARGIN, POLICY, rounds=[10, 1], seed=0)
     faithful, slow = out
-    assert faithful.verdict == "equivalent" and faithful.eligible and faithful.rounds == 4
-    assert len(faithful.e_path) == 48 and faithful.e_value == max([1.0, *faithful.e_path])
+    assert faithful.verdict == "equivalent" and faithful.eligible and faithful.rounds == 10
+    assert len(faithful.e_path) == 120 and faithful.e_value == max([1.0, *faithful.e_path])
     assert {t.kind for t in faithful.tests} == {"difference", "equivalence", "baseline"}
     baseline = [t.name for t in faithful.tests if t.kind == "baseline"]
     assert "fixed-sample binomial: extreme completions" in baseline

@@ -19,8 +19,7 @@ A provider is ``different`` when the average of its difference e-processes cross
 threshold (Holm across providers on the anytime p-values ``1 / max wealth``, or e-BH on
 the wealth at stopping); ``equivalent`` when every equivalence e-process has crossed (the
 confidence sequence of each mean lies inside its margin: an intersection–union test,
-corrected across providers; in logprob mode the mean |Δ| only, see ``sequential_tests``)
-*and* the audit so far would have caught a ``mixture_share``
+corrected across providers) *and* the audit so far would have caught a ``mixture_share``
 mixture of the calibrated coarse precision with probability ≥ ``min_power``; otherwise it
 is undecided, and the stage audits it further until its budget runs out (then
 ``inconclusive``). By Ville's inequality the error rates hold however often the verdicts
@@ -111,31 +110,28 @@ def sequential_tests(obs: Observations, margin: Margins) -> Tests:
 
     Difference (any of them can make a provider ``different``): in both modes the sampler's
     mean PIT off ½ and its extreme-z share; in logprob mode also the mean |Δ logprob| above
-    its margin and the extreme-|Δ| share. Equivalence: in logprob mode the mean |Δ| below its
-    margin (the numbers show the model; the sampler only has to pass its difference tests,
-    whose power the benchmark measures); in sample mode, where the text is all there is, the
-    mean PIT inside ½ ± ``sampler_equivalence`` from both sides."""
+    its margin and the extreme-|Δ| share. Equivalence (all of them must cross): in both
+    modes the mean PIT inside ½ ± ``sampler_equivalence``, from each side; in logprob mode
+    also the mean |Δ| below its margin (the numbers show the model, the PIT its sampler)."""
     pit = obs.pit()
     extreme_pit = [1.0 if z > margin.sample_tail_z else 0.0 for z in obs.z]
     low, high = 0.5 - margin.sampler_shift, 0.5 + margin.sampler_shift
+    eq_low, eq_high = 0.5 - margin.sampler_equivalence, 0.5 + margin.sampler_equivalence
     difference = {
         "sampler: mean Φ(rank z) off ½": stats.outside_interval_e_process(pit, low=low, high=high),
         "sampler: extreme rank z": stats.betting_e_process(extreme_pit, null_mean=margin.sample_tail_p0, alternative="greater"),
     }
+    bets = {
+        "sampler: mean Φ(rank z) above ½ − margin": (pit, eq_low, "greater"),
+        "sampler: mean Φ(rank z) below ½ + margin": (pit, eq_high, "less"),
+    }
     null = {
         "sampler: mean Φ(rank z) off ½": f"|mean Φ(z) − ½| ≤ {margin.sampler_shift}",
         "sampler: extreme rank z": f"share with z > {margin.sample_tail_z} ≤ {margin.sample_tail_p0}",
+        "sampler: mean Φ(rank z) above ½ − margin": f"mean Φ(z) ≤ {eq_low:g}",
+        "sampler: mean Φ(rank z) below ½ + margin": f"mean Φ(z) ≥ {eq_high:g}",
     }
     if obs.mode != "logprob":
-        eq_low, eq_high = 0.5 - margin.sampler_equivalence, 0.5 + margin.sampler_equivalence
-        bets = {
-            "mean Φ(rank z) above ½ − margin": (pit, eq_low, "greater"),
-            "mean Φ(rank z) below ½ + margin": (pit, eq_high, "less"),
-        }
-        null |= {
-            "mean Φ(rank z) above ½ − margin": f"mean Φ(z) ≤ {eq_low:g}",
-            "mean Φ(rank z) below ½ + margin": f"mean Φ(z) ≥ {eq_high:g}",
-        }
         return Tests(difference, _bet(bets), null, bets)
     scale = margin.tail_dlogprob
     clipped = [min(s, scale) / scale for s in obs.shift]
@@ -145,7 +141,7 @@ def sequential_tests(obs: Observations, margin: Margins) -> Tests:
         "mean |Δ logprob| above margin": stats.betting_e_process(clipped, null_mean=m0, alternative="greater"),
         "extreme completions": stats.betting_e_process(extreme, null_mean=margin.tail_p0, alternative="greater"),
     } | difference
-    bets = {"mean |Δ logprob| below margin": (clipped, m0, "less")}
+    bets = {"mean |Δ logprob| below margin": (clipped, m0, "less")} | bets
     null |= {
         "mean |Δ logprob| above margin": f"mean |Δ| (clipped at {scale}) ≤ {margin.mean_abs_dlogprob}",
         "extreme completions": f"share with mean |Δ| > {scale} ≤ {margin.tail_p0}",

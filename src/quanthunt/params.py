@@ -243,9 +243,9 @@ class Margins(_Section):
     thousands of completions to show from inside)."""
     sample_tail_z: float = Field(default=2.0, gt=0)
     """A completion whose rank z exceeds this is extreme (both modes)."""
-    sample_tail_p0: float = Field(default=0.025, gt=0, lt=1)
+    sample_tail_p0: float = Field(default=0.035, gt=0, lt=1)
     """Share of extreme-z completions a faithful provider may produce (1 - Φ(2) = 2.3 %
-    for the reference's own text)."""
+    for the reference's own text; bf16 compute shifts z up a little: 3.8 % measured)."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Margins:
@@ -282,7 +282,7 @@ class Decision(_Section):
 class Verify(_Section):
     seed: int = 0
     probes: Probes = Probes()
-    max_probes_per_provider: int = Field(default=128, ge=2)
+    max_probes_per_provider: int = Field(default=180, ge=2)
     """Probe prompts a provider is audited with at most (over all rounds) before it is
     ``inconclusive``."""
     margin: Margins = Margins()

@@ -40,7 +40,8 @@ def small(project: Project) -> Project:
     project.set_param("verify.probes.prompts", 8)
     project.set_param("verify.probes.max_tokens", 16)
     project.set_param("verify.decision.mixture_detection_tokens", 16)  # accept the 64-token rates: mechanics, not power
-    project.set_param("verify.probes.sample_mode_completions_per_prompt", 2)
+    project.set_param("verify.decision.mixture_detection_sample", 0.9)  # ... and a short sample-mode audit
+    project.set_param("verify.probes.sample_mode_completions_per_prompt", 4)
     done = project.run("survey", "--params", "params.yaml")
     assert done.returncode == 0, done.stderr
     return project
