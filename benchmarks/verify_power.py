@@ -175,7 +175,7 @@ def calibration(pools: dict[str, dict[str, list[Item]]], scores: Scores, params:
     norm = statistics.NormalDist()
     print("\nPer-completion observations (all 288 pooled completions of each; 64 tokens):")
     print(f"{'served':<20}{'mean |Δ|':>10}{'|Δ|>tail':>10}{'Φ(z) top5':>11}{'z5>2':>7}{'Φ(z) top20':>12}{'z20>2':>7}")
-    for name in ("reference samples", *SERVED.keys() - {"reference samples"}):
+    for name in SERVED:
         items = [i for group in pools[name].values() for i in group]
         shift, z5, z20 = (np.array(column) for column in zip(*(scores(i) for i in items), strict=True))
         pit5, pit20 = (np.array([norm.cdf(z) for z in zs]) for zs in (z5, z20))

@@ -22,6 +22,8 @@ def test_a_planted_key_appears_nowhere(project: Project, latency_sandbox: Callab
         "datasets": ["tiny"],
         "verify.probes.prompts": 8,
         "verify.max_probes_per_provider": 8,
+        "verify.probes.completions_per_prompt": 12,  # one round of 96: enough to decide the latency providers
+        "verify.margin.sampler_equivalence": 0.3,
         "verify.probes.max_tokens": 8,
         "verify.decision.mixture_detection_tokens": 8,
         "generate.max_records": None,
