@@ -154,14 +154,15 @@ def fixed_verdict(mode: str, first: Audit, params: Params, providers: int) -> bo
 def mmd_rejects(audit: Audit, reference: dict[str, list[Item]], params: Params, providers: int, rng: np.random.Generator) -> bool:
     """MMD on the audit's distinct completions (past the pool's size the replay reuses them,
     and a duplicate would look like self-similarity) against as many reference samples."""
-    seen: set[tuple[int, ...]] = set()
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    per_probe: Counter[str] = Counter()
     provider = []
     for s in audit.sampled:
-        key = (hash(s.probe_id), *s.token_ids)
-        if key not in seen and sum(p.probe_id == s.probe_id for p in provider) < len(reference[s.probe_id]):
+        key = (s.probe_id, tuple(s.token_ids))
+        if key not in seen and per_probe[s.probe_id] < len(reference[s.probe_id]):
             seen.add(key)
+            per_probe[s.probe_id] += 1
             provider.append(s)
-    per_probe = Counter(s.probe_id for s in provider)
     ref = [(probe, item) for probe, count in per_probe.items() for item in reference[probe][:count]]
     test = stats.mmd_hamming_test(
         [s.token_ids for s in provider], [i.token_ids for _, i in ref], [s.probe_id for s in provider], [p for p, _ in ref],

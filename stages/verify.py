@@ -196,10 +196,10 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
             providers=decided,
         )
         images: dict[str, bytes] = {}
+        threshold = len(rows) / d.alpha  # Holm's first step: the most a provider's e-process must reach
         for audit, verdict in zip(audits, verdicts.providers, strict=True):
             series = summary_values(audit)
             title = f"{verdict.tag} (declares {verdict.declared_quantization}): {verdict.verdict}"
-            threshold = decision.mixture_threshold(len(rows), d.alpha)
             if audit.mode == "logprob":
                 images[verdict.tag] = figures.logprob_audit(title, series["deltas"], series["completion_means"],
                                                             margin=m.mean_abs_dlogprob, tail=m.tail_dlogprob,

@@ -22,8 +22,6 @@ from quanthunt.stats import (
     bootstrap_ci,
     completions_for_e_tail,
     confidence_sequence,
-    e_benjamini_hochberg,
-    e_tail_power,
     e_tail_power_curve,
     hamming_kernel_matrix,
     holm,
@@ -428,6 +426,12 @@ def test_kl_close_to_exact_when_topk_covers_the_mass() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def crossed_at(process: EProcess, threshold: float) -> int | None:
+    """The first t (1-based) with wealth ≥ ``threshold``, or None."""
+    hits = np.flatnonzero(process.wealth >= threshold)
+    return int(hits[0]) + 1 if hits.size else None
+
+
 def test_betting_wealth_known_answer() -> None:
     # one bet, fraction 0.5 of the largest: lambda = 0.5 / m0 = 1, factor 1 + (x - 0.5)
     greater = betting_e_process([1.0, 1.0, 0.0], null_mean=0.5, alternative="greater", fractions=(0.5,))
@@ -439,7 +443,7 @@ def test_betting_wealth_known_answer() -> None:
     mixed = betting_e_process([1.0], null_mean=0.5, alternative="greater", fractions=(0.5, 0.25))
     assert mixed.final == pytest.approx((1.5 + 1.25) / 2)
     assert mixed.peak == mixed.final and mixed.pvalue == pytest.approx(1 / mixed.final)
-    assert greater.crossed_at(2.0) == 2 and greater.crossed_at(3.0) is None
+    assert crossed_at(greater, 2.0) == 2 and crossed_at(greater, 3.0) is None
 
 
 def test_betting_rejects_bad_input() -> None:
@@ -489,10 +493,10 @@ def test_e_process_power_grows_with_the_effect() -> None:
     rng = np.random.default_rng(11)
     x = np.clip(rng.normal(0.7, 0.2, 200), 0, 1)
     process = betting_e_process(x, null_mean=0.5, alternative="greater")
-    first = process.crossed_at(1 / ALPHA)
+    first = crossed_at(process, 1 / ALPHA)
     assert first is not None and first < 40
     far = betting_e_process(np.clip(rng.normal(0.9, 0.1, 200), 0, 1), null_mean=0.5, alternative="greater")
-    crossed_far = far.crossed_at(1 / ALPHA)
+    crossed_far = crossed_at(far, 1 / ALPHA)
     assert crossed_far is not None and crossed_far < first
 
 
@@ -509,14 +513,17 @@ def test_confidence_sequence_covers_the_mean_at_every_time() -> None:
     assert high[-1] - low[-1] < 0.06  # and it does shrink around the mean
 
 
+def e_bh(e_values: list[float]) -> list[bool]:
+    """e-BH (Wang & Ramdas, JRSS-B 2022) as the decision module runs it: BH on ``1 / e``."""
+    return [p <= ALPHA for p in adjust([min(1.0, 1.0 / e) for e in e_values], "bh")]  # e-BH rejects at equality
+
+
 def test_e_bh_known_answer() -> None:
-    # m = 3, alpha 0.05: thresholds m / (alpha k) = 60, 30, 20
-    assert e_benjamini_hochberg([80.0, 1.2, 30.0], alpha=ALPHA) == [True, False, True]
-    assert e_benjamini_hochberg([59.0, 1.0, 1.0], alpha=ALPHA) == [False, False, False]
-    assert e_benjamini_hochberg([25.0, 25.0, 25.0], alpha=ALPHA) == [True, True, True]
-    assert e_benjamini_hochberg([], alpha=ALPHA) == []
-    with pytest.raises(ValueError):
-        e_benjamini_hochberg([-1.0], alpha=ALPHA)
+    # m = 3, alpha 0.05: e-BH rejects the k largest with e_(k) ≥ m / (alpha k) = 60, 30, 20
+    assert e_bh([80.0, 1.2, 30.0]) == [True, False, True]
+    assert e_bh([59.0, 1.0, 1.0]) == [False, False, False]
+    assert e_bh([25.0, 25.0, 25.0]) == [True, True, True]
+    assert e_bh([]) == []
 
 
 def test_e_tail_power_is_exact() -> None:
@@ -527,11 +534,12 @@ def test_e_tail_power_is_exact() -> None:
         betting_e_process((rng.random(n) < rate).astype(float), null_mean=p0, alternative="greater").peak >= threshold
         for _ in range(4000)
     )
-    assert e_tail_power(rate, n, p0=p0, threshold=threshold) == pytest.approx(hits / 4000, abs=0.025)
     curve = e_tail_power_curve(rate, 200, p0=p0, threshold=threshold)
+    assert curve[n - 1] == pytest.approx(hits / 4000, abs=0.025)
     assert (np.diff(curve) >= 0).all()  # a crossed test stays crossed
     needed = completions_for_e_tail(rate, p0=p0, threshold=threshold, power=0.9)
     assert needed is not None and curve[needed - 1] >= 0.9 > curve[needed - 2]
     assert completions_for_e_tail(p0, p0=p0, threshold=threshold, power=0.9) is None  # the null never gets there
     # half the weight of an average: the tail test alone must reach twice the threshold
-    assert e_tail_power(rate, n, p0=p0, threshold=threshold, weight=0.5) == e_tail_power(rate, n, p0=p0, threshold=2 * threshold)
+    half = e_tail_power_curve(rate, n, p0=p0, threshold=threshold, weight=0.5)
+    np.testing.assert_array_equal(half, e_tail_power_curve(rate, n, p0=p0, threshold=2 * threshold))

@@ -33,6 +33,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -86,19 +87,26 @@ class Observations:
         return [_STANDARD_NORMAL.cdf(z) for z in self.z]
 
 
+Side = Literal["greater", "less"]
+Bet = tuple[list[float], float, Side]
+"""An equivalence test: its observations, null mean and the side it bets on."""
+
+
 @dataclass
 class Tests:
     """A provider's e-processes: the components of each side, by name."""
 
     difference: dict[str, stats.EProcess]
-    equivalence: dict[str, stats.EProcess]
+    bets: dict[str, Bet]
+    """The equivalence tests (kept as data for the plug-in estimate of what they still need)."""
     null: dict[str, str]
     """What each test's null hypothesis says, for the report."""
-    bets: dict[str, tuple[list[float], float, str]] = field(default_factory=dict)
-    """Each equivalence test's observations, null mean and side (for the plug-in estimate
-    of the completions it still needs)."""
 
-    @property
+    @functools.cached_property
+    def equivalence(self) -> dict[str, stats.EProcess]:
+        return {name: stats.betting_e_process(x, null_mean=m0, alternative=side) for name, (x, m0, side) in self.bets.items()}
+
+    @functools.cached_property
     def combined(self) -> stats.EProcess:
         """The average of the difference tests: one e-process for "everything is as the
         reference" (its null is the intersection of theirs)."""
@@ -121,7 +129,7 @@ def sequential_tests(obs: Observations, margin: Margins) -> Tests:
         "sampler: mean Φ(rank z) off ½": stats.outside_interval_e_process(pit, low=low, high=high),
         "sampler: extreme rank z": stats.betting_e_process(extreme_pit, null_mean=margin.sample_tail_p0, alternative="greater"),
     }
-    bets = {
+    bets: dict[str, Bet] = {
         "sampler: mean Φ(rank z) above ½ − margin": (pit, eq_low, "greater"),
         "sampler: mean Φ(rank z) below ½ + margin": (pit, eq_high, "less"),
     }
@@ -132,7 +140,7 @@ def sequential_tests(obs: Observations, margin: Margins) -> Tests:
         "sampler: mean Φ(rank z) below ½ + margin": f"mean Φ(z) ≥ {eq_high:g}",
     }
     if obs.mode != "logprob":
-        return Tests(difference, _bet(bets), null, bets)
+        return Tests(difference, bets, null)
     scale = margin.tail_dlogprob
     clipped = [min(s, scale) / scale for s in obs.shift]
     extreme = [1.0 if s > scale else 0.0 for s in obs.shift]
@@ -141,56 +149,55 @@ def sequential_tests(obs: Observations, margin: Margins) -> Tests:
         "mean |Δ logprob| above margin": stats.betting_e_process(clipped, null_mean=m0, alternative="greater"),
         "extreme completions": stats.betting_e_process(extreme, null_mean=margin.tail_p0, alternative="greater"),
     } | difference
-    bets = {"mean |Δ logprob| below margin": (clipped, m0, "less")} | bets
+    below: Bet = (clipped, m0, "less")
+    bets = {"mean |Δ logprob| below margin": below} | bets
     null |= {
         "mean |Δ logprob| above margin": f"mean |Δ| (clipped at {scale}) ≤ {margin.mean_abs_dlogprob}",
         "extreme completions": f"share with mean |Δ| > {scale} ≤ {margin.tail_p0}",
         "mean |Δ logprob| below margin": f"mean |Δ| (clipped at {scale}) ≥ {margin.mean_abs_dlogprob}",
     }
-    return Tests(difference, _bet(bets), null, bets)
+    return Tests(difference, bets, null)
 
 
-def _bet(bets: dict[str, tuple[list[float], float, str]]) -> dict[str, stats.EProcess]:
-    return {
-        name: stats.betting_e_process(values, null_mean=m0, alternative="greater" if side == "greater" else "less")
-        for name, (values, m0, side) in bets.items()
-    }
+@dataclass(frozen=True)
+class TailTest:
+    """The tail test that must catch a ``mixture_share`` mixture, as the stage runs it."""
 
+    p0: float
+    """The faithful flag rate it tests against."""
+    rate: float
+    """The mixture's flag rate, from the coarse precision's measured one."""
+    threshold: float
+    """The wealth the combined e-process must reach in the correction's worst case: Holm's
+    first step (and e-BH's smallest rejection) across ``providers`` needs ``m / α``."""
+    weight: float
+    """The tail test's share of the averaged difference e-process."""
 
-def mixture_rate(mode: str, margin: Margins, policy: Decision) -> tuple[float, float]:
-    """``(p0, rate)`` of the tail test that must catch a ``mixture_share`` mixture: the
-    faithful flag rate and the mixture's, from the coarse precision's measured flag rate."""
-    if mode == "logprob":
-        p0, detected = margin.tail_p0, policy.mixture_detection_logprob
-    else:
-        p0, detected = margin.sample_tail_p0, policy.mixture_detection_sample
-    share = policy.mixture_share
-    return p0, share * detected + (1 - share) * p0
-
-
-def mixture_threshold(providers: int, alpha: float) -> float:
-    """The wealth a provider's tests must reach in the worst case of the correction across
-    ``providers``: Holm's first step (and e-BH's smallest rejection) needs ``m / α``."""
-    return max(providers, 1) / alpha
+    @classmethod
+    def of(cls, mode: str, *, providers: int, margin: Margins, policy: Decision) -> TailTest:
+        if mode == "logprob":
+            p0, detected = margin.tail_p0, policy.mixture_detection_logprob
+        else:
+            p0, detected = margin.sample_tail_p0, policy.mixture_detection_sample
+        share = policy.mixture_share
+        components = len(sequential_tests(Observations(mode, [], [], [], 0), margin).difference)
+        return cls(p0, share * detected + (1 - share) * p0, max(providers, 1) / policy.alpha, 1.0 / components)
 
 
 def mixture_power(mode: str, n: int, *, providers: int, margin: Margins, policy: Decision) -> list[float]:
     """Probability that 1, 2, ..., ``n`` audited completions catch a ``mixture_share``
     mixture: the tail test alone, at its share of the averaged difference e-process,
     crossing the correction's worst-case threshold (exact; the other tests only add to it)."""
-    p0, rate = mixture_rate(mode, margin, policy)
-    weight = 1.0 / len(sequential_tests(Observations(mode, [], [], [], 0), margin).difference)
-    threshold = mixture_threshold(providers, policy.alpha)
-    return [float(v) for v in stats.e_tail_power_curve(rate, n, p0=p0, threshold=threshold, weight=weight)]
+    t = TailTest.of(mode, providers=providers, margin=margin, policy=policy)
+    return [float(v) for v in stats.e_tail_power_curve(t.rate, n, p0=t.p0, threshold=t.threshold, weight=t.weight)]
 
 
 @functools.lru_cache(maxsize=64)
 def mixture_needed(mode: str, *, providers: int, margin: Margins, policy: Decision) -> int | None:
     """The fewest completions with :func:`mixture_power` ≥ ``min_power`` (None: beyond 20,000)."""
-    p0, rate = mixture_rate(mode, margin, policy)
-    weight = 1.0 / len(sequential_tests(Observations(mode, [], [], [], 0), margin).difference)
-    return stats.completions_for_e_tail(rate, p0=p0, threshold=mixture_threshold(providers, policy.alpha),
-                                        power=policy.min_power, weight=weight, max_n=20_000)  # fmt: skip
+    t = TailTest.of(mode, providers=providers, margin=margin, policy=policy)
+    return stats.completions_for_e_tail(t.rate, p0=t.p0, threshold=t.threshold, power=policy.min_power,
+                                        weight=t.weight, max_n=20_000)  # fmt: skip
 
 
 @dataclass
@@ -228,11 +235,11 @@ def judge(
         obs = Observations.of(audit)
         tests = sequential_tests(obs, margin)
         states.append(State("inconclusive" if blocked else None, blocked or "", tests))
-    padding = [1.0] * (m - len(states))
-    diff_adj = stats.adjust([_p(s.tests.combined, method) for s in states] + padding, method)
+    padding = [1.0] * (m - len(states))  # the family's other providers, never rejected
+    diff_adj = stats.adjust([_p(s.tests.combined, method) for s in states] + padding, method)[: len(states)]
     equiv_p = [max(_p(e, method) for e in s.tests.equivalence.values()) for s in states]
-    equiv_adj = stats.adjust(equiv_p + padding, method)
-    for state, audit, d_adj, e_adj in zip(states, audits, diff_adj, equiv_adj, strict=False):
+    equiv_adj = stats.adjust(equiv_p + padding, method)[: len(states)]
+    for state, audit, d_adj, e_adj in zip(states, audits, diff_adj, equiv_adj, strict=True):
         tests = state.tests
         n = tests.combined.n
         curve = mixture_power(audit.mode, n, providers=m, margin=margin, policy=policy)
@@ -259,7 +266,7 @@ def judge(
             )
         else:
             needed = mixture_needed(audit.mode, providers=m, margin=margin, policy=policy)
-            threshold = mixture_threshold(m, policy.alpha)
+            threshold = TailTest.of(audit.mode, providers=m, margin=margin, policy=policy).threshold
             state.needed = _still_needed(tests, n, threshold, needed, e_adj < policy.alpha)
             state.reason = _undecided(state, n, policy, e_adj)
     return states

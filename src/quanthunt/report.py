@@ -80,9 +80,9 @@ def power_curves(verdicts: Verdicts, margin: Margins, policy: Decision) -> bytes
         curve = mixture_power(mode, top, providers=providers, margin=margin, policy=policy)
         ax.plot(range(1, top + 1), curve, color=color, label=f"{mode} mode")
         for v in verdicts.providers:
-            if v.mode == mode and v.completions:
-                ax.plot([v.completions], [curve[min(v.completions, top) - 1]], "o", color=color, markersize=4)
-                ax.annotate(v.provider, (v.completions, curve[min(v.completions, top) - 1]), fontsize=6, rotation=30)
+            if v.mode == mode and v.completions:  # top covers every provider's audit
+                ax.plot([v.completions], [curve[v.completions - 1]], "o", color=color, markersize=4)
+                ax.annotate(v.provider, (v.completions, curve[v.completions - 1]), fontsize=6, rotation=30)
     ax.axhline(policy.min_power, color="grey", linewidth=0.8, linestyle="--", label=f"min_power {policy.min_power:g}")
     ax.set_xlabel("audited completions (dots: each provider's audit)")
     ax.set_ylabel(f"P(catch a {policy.mixture_share:.0%} mixture)")

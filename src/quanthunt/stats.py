@@ -32,10 +32,10 @@ The questions, and the tools for each:
 * **Sequential, anytime-valid tests** (what the verify stage decides with): testing by
   betting (:func:`betting_e_process`, :func:`outside_interval_e_process`, averaged with
   :func:`average_e_processes`), whose error rate holds however often the data are looked
-  at; :func:`confidence_sequence` for the matching bounds; :func:`e_benjamini_hochberg`
-  across providers; and :func:`e_tail_power` / :func:`completions_for_e_tail`, the exact
-  power of the sequential tail test against a mixture. The fixed-sample tests above are
-  kept as reported baselines.
+  at; :func:`confidence_sequence` for the matching bounds; e-BH across providers is
+  :func:`benjamini_hochberg` on ``1 / e``; and :func:`e_tail_power_curve` /
+  :func:`completions_for_e_tail`, the exact power of the sequential tail test against a
+  mixture. The fixed-sample tests above are kept as reported baselines.
 * **Intervals**: :func:`bootstrap_ci` (optionally resampling whole prompts) on any statistic.
 
 Conventions: p-values are never NaN (degenerate inputs get a documented 0 or 1); invalid input
@@ -70,8 +70,6 @@ __all__ = [
     "bootstrap_ci",
     "completions_for_e_tail",
     "confidence_sequence",
-    "e_benjamini_hochberg",
-    "e_tail_power",
     "e_tail_power_curve",
     "hamming_kernel_matrix",
     "holm",
@@ -706,11 +704,6 @@ class EProcess:
         """The anytime-valid p-value ``min(1, 1 / max_t K_t)``: ``P(it ever falls to α) ≤ α``."""
         return 1.0 / self.peak
 
-    def crossed_at(self, threshold: float) -> int | None:
-        """The first t (1-based) with ``K_t ≥ threshold``, or None."""
-        hits = np.flatnonzero(self.wealth >= threshold)
-        return int(hits[0]) + 1 if hits.size else None
-
 
 def _check_bounded(values: npt.ArrayLike) -> FloatArray:
     x = _as_finite_1d(values, "observations")
@@ -723,15 +716,25 @@ WEALTH_CAP = 1e300
 """Wealth is capped here (far beyond any threshold) instead of overflowing to infinity."""
 
 
-def _mixture_wealth(log_factors: FloatArray) -> FloatArray:
-    """Mean over bets (rows) of ``exp(cumsum(log factor))``, computed in logs, capped at
-    :data:`WEALTH_CAP`."""
-    if log_factors.shape[1] == 0:
-        return np.zeros(0)
-    log_wealth = np.cumsum(log_factors, axis=1)
-    top = log_wealth.max(axis=0)
-    log_mean = top + np.log(np.exp(log_wealth - top).mean(axis=0))
-    return np.asarray(np.exp(np.minimum(log_mean, math.log(WEALTH_CAP))), dtype=np.float64)
+def _log_wealth(
+    x: FloatArray, null_means: FloatArray, alternative: Literal["greater", "less"], fractions: Sequence[float]
+) -> FloatArray:
+    """``log K_t`` of the mixture of constant bets against each of ``null_means`` (rows), after
+    each observation of ``x`` (columns). ``"greater"``: the bet ``λ = f / m0`` multiplies the
+    wealth by ``1 + λ (x − m0)``; ``"less"``: ``λ = f / (1 − m0)``, factor ``1 + λ (m0 − x)``."""
+    if alternative not in ("greater", "less"):
+        raise ValueError(f"alternative must be 'greater' or 'less', got {alternative!r}")
+    f = np.asarray(fractions, dtype=np.float64)
+    if f.size == 0 or ((f <= 0) | (f >= 1)).any():
+        raise ValueError(f"bet fractions must lie strictly between 0 and 1, got {list(fractions)!r}")
+    m = null_means[None, :, None]
+    if alternative == "greater":
+        factors = 1.0 + (f[:, None, None] / m) * (x[None, None, :] - m)
+    else:
+        factors = 1.0 + (f[:, None, None] / (1.0 - m)) * (m - x[None, None, :])
+    per_bet = np.cumsum(np.log(factors), axis=2)
+    top = per_bet.max(axis=0)
+    return np.asarray(top + np.log(np.exp(per_bet - top).mean(axis=0)), dtype=np.float64)
 
 
 def betting_e_process(
@@ -750,22 +753,13 @@ def betting_e_process(
     under H0 (its factors have conditional mean ≤ 1 whenever the mean is on H0's side), so the
     average is too, whatever the order or dependence of the data. Observations are only assumed
     bounded; nothing about their distribution (Waudby-Smith & Ramdas, "Estimating means of bounded
-    random variables by betting", JRSS-B 2024).
+    random variables by betting", JRSS-B 2024). The wealth is capped at :data:`WEALTH_CAP`.
 
-    Usage: ``betting_e_process(flags, null_mean=0.001, alternative="greater").crossed_at(20)``
+    Usage: ``betting_e_process(flags, null_mean=0.001, alternative="greater").pvalue``
     """
     _check_unit_open(null_mean, "null_mean")
-    if alternative not in ("greater", "less"):
-        raise ValueError(f"alternative must be 'greater' or 'less', got {alternative!r}")
-    f = np.asarray(fractions, dtype=np.float64)
-    if f.size == 0 or ((f <= 0) | (f >= 1)).any():
-        raise ValueError(f"bet fractions must lie strictly between 0 and 1, got {list(fractions)!r}")
-    x = _check_bounded(values)
-    if alternative == "greater":
-        factors = 1.0 + (f / null_mean)[:, None] * (x - null_mean)[None, :]
-    else:
-        factors = 1.0 + (f / (1.0 - null_mean))[:, None] * (null_mean - x)[None, :]
-    return EProcess(_mixture_wealth(np.log(factors)))
+    log_wealth = _log_wealth(_check_bounded(values), np.array([null_mean]), alternative, fractions)[0]
+    return EProcess(np.exp(np.minimum(log_wealth, math.log(WEALTH_CAP))))
 
 
 def outside_interval_e_process(
@@ -813,57 +807,20 @@ def confidence_sequence(
     """
     _check_unit_open(alpha, "alpha")
     x = _check_bounded(values)
-    f = np.asarray(fractions, dtype=np.float64)
     means = (np.arange(grid) + 0.5) / grid
-    threshold = 2.0 / alpha
-    upper = np.ones(x.size)
-    lower = np.zeros(x.size)
     if x.size == 0:
-        return lower, upper
-    # wealth[m, t] of the "less" test at each grid mean (rejecting "mean ≥ m"), then "greater".
-    for side in ("less", "greater"):
+        return np.zeros(0), np.ones(0)
+    bounds = {}
+    for side in ("less", "greater"):  # "less" tests reject "mean ≥ m" (the upper bound), "greater" the lower
+        rejected = np.maximum.accumulate(_log_wealth(x, means, side, fractions) >= math.log(2.0 / alpha), axis=1)
+        kept = ~rejected  # once rejected, always
         if side == "less":
-            steps = 1.0 + (f[:, None, None] / (1.0 - means)[None, :, None]) * (means[None, :, None] - x[None, None, :])
-        else:
-            steps = 1.0 + (f[:, None, None] / means[None, :, None]) * (x[None, None, :] - means[None, :, None])
-        log_wealth = np.cumsum(np.log(steps), axis=2)
-        top = log_wealth.max(axis=0)
-        log_mixture = top + np.log(np.exp(log_wealth - top).mean(axis=0))
-        rejected = np.maximum.accumulate(log_mixture >= math.log(threshold), axis=1)  # once rejected, always
-        if side == "less":
-            # smallest rejected mean above which all are rejected: the upper bound
-            kept = ~rejected
             highest_kept = np.where(kept.any(axis=0), grid - 1 - np.argmax(kept[::-1], axis=0), -1)
-            upper = np.where(highest_kept >= 0, np.minimum((highest_kept + 1) / grid, 1.0), 0.0)
+            bounds[side] = np.where(highest_kept >= 0, np.minimum((highest_kept + 1) / grid, 1.0), 0.0)
         else:
-            kept = ~rejected
             lowest_kept = np.where(kept.any(axis=0), np.argmax(kept, axis=0), grid)
-            lower = np.where(lowest_kept < grid, lowest_kept / grid, 1.0)
-    return np.asarray(lower, dtype=np.float64), np.asarray(upper, dtype=np.float64)
-
-
-def e_benjamini_hochberg(e_values: Sequence[float], *, alpha: float) -> list[bool]:
-    """e-BH (Wang & Ramdas, JRSS-B 2022): reject the ``k`` hypotheses with the largest e-values,
-    ``k = max{k : e_(k) ≥ m / (α k)}``. Controls the FDR at α under any dependence between the
-    e-values. It equals BH on ``1 / e``; use e-values at the tests' stopping times
-    (:attr:`EProcess.final`), not their running maxima.
-
-    Usage: ``e_benjamini_hochberg([80.0, 1.2, 30.0], alpha=0.05)  # -> [True, False, True]``
-    """
-    _check_unit_open(alpha, "alpha")
-    e = np.asarray(e_values, dtype=np.float64).reshape(-1)
-    if np.isnan(e).any() or (e < 0).any():
-        raise ValueError(f"e-values must be nonnegative numbers, got {list(e_values)!r}")
-    m = e.size
-    if m == 0:
-        return []
-    order = np.argsort(-e, kind="stable")
-    ranks = np.arange(1, m + 1)
-    passing = np.flatnonzero(e[order] >= m / (alpha * ranks))
-    k = int(passing.max()) + 1 if passing.size else 0
-    rejected = np.zeros(m, dtype=bool)
-    rejected[order[:k]] = True
-    return [bool(r) for r in rejected]
+            bounds[side] = np.where(lowest_kept < grid, lowest_kept / grid, 1.0)
+    return np.asarray(bounds["greater"], dtype=np.float64), np.asarray(bounds["less"], dtype=np.float64)
 
 
 def _e_tail_crossings(rate: float, *, p0: float, threshold: float, weight: float, fractions: Sequence[float]) -> Iterator[float]:
@@ -906,19 +863,9 @@ def _e_tail_crossings(rate: float, *, p0: float, threshold: float, weight: float
 def e_tail_power_curve(
     rate: float, n: int, *, p0: float, threshold: float, weight: float = 1.0, fractions: Sequence[float] = BET_FRACTIONS
 ) -> FloatArray:
-    """:func:`e_tail_power` for every audit size 1..n, in one pass."""
-    if n < 0:
-        raise ValueError(f"n must be ≥ 0, got {n}")
-    crossings = _e_tail_crossings(rate, p0=p0, threshold=threshold, weight=weight, fractions=fractions)
-    return np.fromiter(itertools.islice(crossings, n), dtype=np.float64, count=n)
-
-
-def e_tail_power(
-    rate: float, n: int, *, p0: float, threshold: float, weight: float = 1.0, fractions: Sequence[float] = BET_FRACTIONS
-) -> float:
     """Exact probability that the tail e-process (``betting_e_process`` on 0/1 flags against
-    ``p0``, ``"greater"``) reaches ``threshold`` within ``n`` observations when each is flagged
-    independently with probability ``rate``.
+    ``p0``, ``"greater"``) has reached ``threshold`` after 1, 2, ..., ``n`` observations when each
+    is flagged independently with probability ``rate``.
 
     ``weight`` is the tail test's share of an average (:func:`average_e_processes`): the average
     reaches ``threshold`` no later than the tail test alone reaches ``threshold / weight``, so
@@ -926,12 +873,12 @@ def e_tail_power(
     on the number of flags, so a dynamic programme over (t, flags) with crossing absorbing gives
     the power exactly; it never decreases in ``n`` (a crossed test stays crossed).
 
-    Usage: ``e_tail_power(0.2, 22, p0=0.001, threshold=160.0)``
+    Usage: ``e_tail_power_curve(0.2, 30, p0=0.001, threshold=160.0)[-1]``
     """
-    if n == 0:
-        return 0.0
-    curve = e_tail_power_curve(rate, n, p0=p0, threshold=threshold, weight=weight, fractions=fractions)
-    return float(curve[-1])
+    if n < 0:
+        raise ValueError(f"n must be ≥ 0, got {n}")
+    crossings = _e_tail_crossings(rate, p0=p0, threshold=threshold, weight=weight, fractions=fractions)
+    return np.fromiter(itertools.islice(crossings, n), dtype=np.float64, count=n)
 
 
 def completions_for_e_tail(
@@ -944,7 +891,7 @@ def completions_for_e_tail(
     max_n: int = 5000,
     fractions: Sequence[float] = BET_FRACTIONS,
 ) -> int | None:
-    """Smallest ``n`` with :func:`e_tail_power` ≥ ``power`` (None if not within ``max_n``): the
+    """Smallest ``n`` whose :func:`e_tail_power_curve` value is ≥ ``power`` (None if not within ``max_n``): the
     audit size at which a mixture flagging ``rate`` of completions would be caught.
 
     Usage: ``completions_for_e_tail(0.2, p0=0.001, threshold=160.0, power=0.95)``

@@ -16,8 +16,8 @@ sampled token, as a normal score, summed and divided by √tokens (exactly N(0, 
 the reference's own sampler produced). In sample mode it is the measurement; in logprob
 mode it checks the provider's sampler, which the logprobs it reports say nothing about.
 
-The audit runs in rounds (``audit_rounds``): after each, the caller's ``decide`` says which
-providers are settled, and the rest get the next probes of the same seeded order.
+The audit runs in rounds (``audit_rounds``): after each, the caller's ``settled`` says which
+providers are decided, and the rest get the next probes of the same seeded order.
 ``quanthunt.decision`` turns the measurements into verdicts; this module holds the probe
 set, the measurements and the async loops over injected clients.
 """
