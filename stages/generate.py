@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from quanthunt.connection import open_targets
-from quanthunt.errors import ConfigError
+from quanthunt.connection import Targets, open_targets
+from quanthunt.errors import EXIT_OUT_OF_BUDGET, ConfigError
 from quanthunt.gateway import AiohttpChat, Gateway, Routing, resolve_api_key
 from quanthunt.generation import (
     Eligible,
@@ -36,20 +36,23 @@ from quanthunt.generation import (
 )
 from quanthunt.ledger import Ledger, LedgerWriter
 from quanthunt.locking import exclusive
+from quanthunt.monitoring import LOGPROB_TOP, UNLOGGED, Monitoring, check_reference, monitors_for, stopped_providers
 from quanthunt.outputs import write_atomic
 from quanthunt.params import Params, load_params
 from quanthunt.prompts import count_prompts, iter_prompts
+from quanthunt.reference import Reference
 from quanthunt.survey import read_providers
 from quanthunt.terminal import stage_console
 from quanthunt.tracking import repo_root, stage_run
-from quanthunt.verdicts import load_verdicts
+from quanthunt.verdicts import Verdicts, load_verdicts
+from quanthunt.verification import Scorer
 
 
 def generation_params_hash(params: Params) -> str:
     return params_hash(params.survey.model, params.generate.sampling.model_dump(mode="json"), params.reasoning.mode)
 
 
-def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...], str | None]:
+def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...], Verdicts]:
     verdicts = load_verdicts(root / params.paths.verdicts)
     if verdicts.model != params.survey.model:
         raise ConfigError(
@@ -77,7 +80,7 @@ def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...]
         raise ConfigError(
             f"{root / params.paths.verdicts}: no provider was verified equivalent; nothing can generate training data"
         )
-    return tuple(chosen), verdicts.verification_run_id
+    return tuple(chosen), verdicts
 
 
 def limited(path: Path, max_records: int | None, skip: frozenset[str]):  # type: ignore[no-untyped-def]
@@ -118,10 +121,22 @@ def status_table(job: Job, p: Progress, spent: float) -> Table:
 
 
 async def run(
-    params: Params, root: Path, dataset: str, api_url: str, console: Console
+    params: Params, root: Path, dataset: str, targets: Targets, console: Console
 ) -> tuple[Job, Progress, Engine, dict[str, int]]:
     paths, g = params.paths, params.generate
-    providers, verification_run_id = eligible_providers(params, root)
+    ledger = Ledger(root / paths.ledger)
+    providers, verdicts = eligible_providers(params, root)
+    stopped = stopped_providers(ledger, verdicts)
+    for tag, where in stopped.items():
+        console.print(f"[yellow]monitor: not routing to {tag}: its monitor stopped it (dataset {where}); rerun verify[/]")
+    providers = tuple(p for p in providers if p.tag not in stopped)
+    if not providers:
+        raise StopRun(
+            f"every eligible provider was stopped by its monitor ({', '.join(sorted(stopped))}); rerun verify, then generate",
+            EXIT_OUT_OF_BUDGET,
+        )
+    monitors = monitors_for(verdicts, ledger, dataset=dataset, datasets=len(params.datasets), margin=params.verify.margin,
+                            settings=g.monitor, sampling=g.sampling)  # fmt: skip
     params_hash = generation_params_hash(params)
     job = Job(
         dataset=dataset,
@@ -136,12 +151,11 @@ async def run(
         concurrency=g.concurrency,
         ramp_up_s=g.ramp_up_s,
         retry=Retry(**g.retry.model_dump()),
-        verification_run_id=verification_run_id,
+        verification_run_id=verdicts.verification_run_id,
         reasoning=params.reasoning.request(),
     )
     prompts = paths.prompt_file(root, dataset)
     output = root / paths.generated / f"{dataset}.jsonl"
-    ledger = Ledger(root / paths.ledger)
     recovered = ledger.recover(dataset)
     repair = prepare_output(output, ledger, dataset, params_hash)
     if repair.truncated_bytes or repair.adopted or repair.restored or recovered:
@@ -161,14 +175,27 @@ async def run(
     writer.start()
     sink = RecordSink(output, ledger, writer, dataset, params_hash)
     sink.start()
-    api_key = resolve_api_key(api_url)
+    api_key = resolve_api_key(targets.api_url)
     try:
         async with (
-            AiohttpChat(api_url, api_key=api_key, timeout_s=g.request_timeout_s) as chat,
-            Gateway(api_url, api_key=api_key) as gateway,
+            AiohttpChat(targets.api_url, api_key=api_key, timeout_s=g.request_timeout_s) as chat,
+            Gateway(targets.api_url, api_key=api_key) as gateway,
+            Reference(targets.reference_url, model=params.reference.model) as reference,
         ):
+            monitoring = None
+            if g.monitor.share > 0 and any(m.monitored for m in monitors.values()):
+                await check_reference(reference, verdicts, targets.reference_url)
+                scorer = Scorer(reference, params.reasoning, top_logprobs=LOGPROB_TOP, attempts=params.verify.max_attempts)
+                monitoring = Monitoring(
+                    monitors, scorer, ledger, writer, verification_run_id=verdicts.verification_run_id or UNLOGGED,
+                    dataset=dataset, settings=g.monitor, say=lambda line: console.print(f"[red]{line}[/]"),
+                )  # fmt: skip
+            for tag in sorted(t for t, m in monitors.items() if not m.monitored):
+                console.print(f"[yellow]monitor: {tag} is not monitored (sample mode; its rank test needs temperature 1 "
+                              "and top-p 1)[/]")  # fmt: skip
             await reconcile_earlier(ledger, dataset, gateway.generation)
-            engine = Engine(job, chat, ledger, writer, sink, done_turns=ledger.done_turns(dataset, params_hash))
+            engine = Engine(job, chat, ledger, writer, sink, done_turns=ledger.done_turns(dataset, params_hash),
+                            monitoring=monitoring)  # fmt: skip
             engine.progress.records_total = total
             engine.progress.records_done_before = len(repair.done_ids)
             engine.progress.output_tokens_before = ledger.output_tokens(dataset, params_hash)
@@ -176,6 +203,8 @@ async def run(
             display = asyncio.ensure_future(show_progress(engine, job, console, g.progress_interval_s))
             try:
                 await engine.run(records)
+                if monitoring is not None:
+                    await monitoring.close()
             finally:
                 display.cancel()
             await engine.reconcile(gateway.generation)
@@ -220,7 +249,7 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             "generate", params=params, section=section, root=root, experiment=params.tracking.experiment
         ) as mlflow_run:
             with open_targets(params, root=root, stage=f"generate-{dataset}", needs_model=True) as targets:
-                job, progress, engine, counts = asyncio.run(run(params, root, dataset, targets.api_url, console))
+                job, progress, engine, counts = asyncio.run(run(params, root, dataset, targets, console))
             output = root / paths.generated / f"{dataset}.jsonl"
             done = progress.records_done_before + progress.records_done
             budget = engine.budget
@@ -240,10 +269,12 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
                 "errors": dict(progress.errors),
                 "quarantined": progress.quarantined,
                 "retired_endpoints": progress.retired,
+                "monitor_stops": progress.monitor_stops,
                 "providers": dict(progress.providers),
                 "request_states": counts,
                 "stop_reason": progress.stop_reason,
                 "params_sha256": job.params_hash,
+                "monitor": engine.monitoring.summary() if engine.monitoring is not None else {"enabled": False},
             }
             write_atomic(root / paths.generate_reports / f"{dataset}.json", (json.dumps(summary, indent=2) + "\n").encode())
             mlflow_run.log_metrics({k: v for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)})
@@ -259,6 +290,13 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
                     "stop_reason": progress.stop_reason or "",
                 }
             )
+            if engine.monitoring is not None:
+                for tag, monitor in engine.monitoring.monitors.items():
+                    mlflow_run.log_series(f"monitor.{tag}.e_value", monitor.path)
+                if engine.monitoring.events:
+                    mlflow_run.set_tags({"monitor.stopped": ",".join(e.tag for e in engine.monitoring.events)})
+                    mlflow_run.log_dict({"stops": [{"tag": e.tag, **e.stop.__dict__} for e in engine.monitoring.events]},
+                                        "monitor_events.json")  # fmt: skip
             mlflow_run.log_input(prompts, context="prompts")
             if output.exists():
                 mlflow_run.log_output(output)

@@ -15,6 +15,7 @@ from quanthunt import schemas
 from quanthunt.errors import ConfigError, QuanthuntError
 from quanthunt.generation import params_hash
 from quanthunt.ledger import Ledger
+from quanthunt.monitoring import UNLOGGED, monitor_card, suspect_checkpoints
 from quanthunt.outputs import Outputs, write_atomic
 from quanthunt.params import load_params, section_digest
 from quanthunt.terminal import stage_console
@@ -65,6 +66,7 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
     try:
         recorded = ledger.done_records(dataset, hashed)
         costs = ledger.record_costs(dataset, hashed)
+        monitors = ledger.monitor_states(verdicts.verification_run_id or UNLOGGED)
     finally:
         ledger.close()
     export = schemas.frame(
@@ -85,6 +87,7 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             ledger_lines={r: sha for r, (sha, _) in recorded.items()},
             ledger_costs=costs,
             max_truncated_share=params.validate_.max_truncated_share,
+            suspect=suspect_checkpoints(monitors, dataset),
             first=params.validate_.max_failure_examples,
         )
         report: dict[str, Any] = {
@@ -138,6 +141,7 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
                     "measured": {k: e.value for k, e in v.effects.items()},
                     "verdict_run_id": v.mlflow_run_id,
                     "records_served": checked.metrics["endpoints"][tag],
+                    "monitor": monitor_card(monitors.get((dataset, tag))),
                 }
                 for tag, v in eligible.items()
                 if checked.metrics["endpoints"].get(tag)
@@ -158,6 +162,11 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
                 "validate_run_id": run.run_id,
                 "verification_run_id": verdicts.verification_run_id,
                 "generation_run_ids": generation_runs[:5],
+            },
+            "quarantined": {
+                "records": checked.metrics["records_quarantined"],
+                "by_provider": checked.metrics["quarantined_by_provider"],
+                "why": "served by a provider after its monitor's estimated change (not exported)",
             },
             "checks": {
                 "passed": True,

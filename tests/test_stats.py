@@ -28,7 +28,6 @@ from quanthunt.stats import (
     kl_topk_with_tail,
     mmd_hamming_test,
     one_sided_mean_test,
-    outside_interval_e_process,
     stratified_permutation_test,
 )
 
@@ -467,7 +466,9 @@ def test_e_process_ever_crosses_at_most_alpha_under_the_null(kind: str) -> None:
         if kind == "bernoulli":
             process = betting_e_process((rng.random(n) < 0.02).astype(float), null_mean=0.02, alternative="greater")
         elif kind == "uniform-two-sided":
-            process = outside_interval_e_process(rng.random(n), low=0.5, high=0.5)
+            u = rng.random(n)  # both sides of mean 1/2, averaged (the sampler's two-sided test)
+            sides = [betting_e_process(u, null_mean=0.5, alternative=side) for side in ("greater", "less")]
+            process = average_e_processes(sides)
         else:  # the null's boundary: mean exactly at the margin
             process = betting_e_process(rng.beta(2, 6, n), null_mean=0.25, alternative="greater")
         crossed += process.peak >= 1 / ALPHA

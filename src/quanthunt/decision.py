@@ -40,7 +40,7 @@ import numpy as np
 from quanthunt import stats
 from quanthunt.gateway import same_provider
 from quanthunt.params import Decision, Margins
-from quanthunt.verdicts import Estimate, ProviderVerdict, TestResult, Verdict
+from quanthunt.verdicts import Estimate, Observed, ProviderVerdict, TestResult, Verdict
 from quanthunt.verification import Audit
 
 _STANDARD_NORMAL = statistics.NormalDist()
@@ -89,22 +89,28 @@ class Observations:
 
 Side = Literal["greater", "less"]
 Bet = tuple[list[float], float, Side]
-"""An equivalence test: its observations, null mean and the side it bets on."""
+"""A one-sided betting test: its observations, null mean and the side it bets on."""
 
 
 @dataclass
 class Tests:
     """A provider's e-processes: the components of each side, by name."""
 
-    difference: dict[str, stats.EProcess]
+    difference_bets: dict[str, list[Bet]]
+    """Each difference test: the one-sided bets it averages (two for a two-sided one)."""
     bets: dict[str, Bet]
     """The equivalence tests (kept as data for the plug-in estimate of what they still need)."""
     null: dict[str, str]
     """What each test's null hypothesis says, for the report."""
 
     @functools.cached_property
+    def difference(self) -> dict[str, stats.EProcess]:
+        return {name: stats.average_e_processes([_e_process(bet) for bet in bets])
+                for name, bets in self.difference_bets.items()}  # fmt: skip
+
+    @functools.cached_property
     def equivalence(self) -> dict[str, stats.EProcess]:
-        return {name: stats.betting_e_process(x, null_mean=m0, alternative=side) for name, (x, m0, side) in self.bets.items()}
+        return {name: _e_process(bet) for name, bet in self.bets.items()}
 
     @functools.cached_property
     def combined(self) -> stats.EProcess:
@@ -113,42 +119,54 @@ class Tests:
         return stats.average_e_processes(list(self.difference.values()))
 
 
-def sequential_tests(obs: Observations, margin: Margins) -> Tests:
+def _e_process(bet: Bet) -> stats.EProcess:
+    x, m0, side = bet
+    return stats.betting_e_process(x, null_mean=m0, alternative=side)
+
+
+def sequential_tests(obs: Observations, margin: Margins, *, sampler: bool = True) -> Tests:
     """Every betting test on one provider's observations.
 
     Difference (any of them can make a provider ``different``): in both modes the sampler's
-    mean PIT off ½ and its extreme-z share; in logprob mode also the mean |Δ logprob| above
-    its margin and the extreme-|Δ| share. Equivalence (all of them must cross): in both
-    modes the mean PIT inside ½ ± ``sampler_equivalence``, from each side; in logprob mode
-    also the mean |Δ| below its margin (the numbers show the model, the PIT its sampler)."""
+    mean PIT off ½ (bets on both sides) and its extreme-z share; in logprob mode also the mean
+    |Δ logprob| above its margin and the extreme-|Δ| share. Equivalence (all of them must
+    cross): in both modes the mean PIT inside ½ ± ``sampler_equivalence``, from each side; in
+    logprob mode also the mean |Δ| below its margin (the numbers show the model, the PIT its
+    sampler). ``sampler=False`` leaves the sampler's tests out (the generate stage's monitor
+    when sampling at a temperature other than 1, where the PIT is not uniform)."""
     pit = obs.pit()
     extreme_pit = [1.0 if z > margin.sample_tail_z else 0.0 for z in obs.z]
     low, high = 0.5 - margin.sampler_shift, 0.5 + margin.sampler_shift
     eq_low, eq_high = 0.5 - margin.sampler_equivalence, 0.5 + margin.sampler_equivalence
-    difference = {
-        "sampler: mean Φ(rank z) off ½": stats.outside_interval_e_process(pit, low=low, high=high),
-        "sampler: extreme rank z": stats.betting_e_process(extreme_pit, null_mean=margin.sample_tail_p0, alternative="greater"),
-    }
-    bets: dict[str, Bet] = {
-        "sampler: mean Φ(rank z) above ½ − margin": (pit, eq_low, "greater"),
-        "sampler: mean Φ(rank z) below ½ + margin": (pit, eq_high, "less"),
-    }
-    null = {
-        "sampler: mean Φ(rank z) off ½": f"|mean Φ(z) − ½| ≤ {margin.sampler_shift}",
-        "sampler: extreme rank z": f"share with z > {margin.sample_tail_z} ≤ {margin.sample_tail_p0}",
-        "sampler: mean Φ(rank z) above ½ − margin": f"mean Φ(z) ≤ {eq_low:g}",
-        "sampler: mean Φ(rank z) below ½ + margin": f"mean Φ(z) ≥ {eq_high:g}",
-    }
+    difference: dict[str, list[Bet]] = {}
+    bets: dict[str, Bet] = {}
+    null: dict[str, str] = {}
+    if sampler:
+        difference = {
+            "sampler: mean Φ(rank z) off ½": [(pit, high, "greater"), (pit, low, "less")],
+            "sampler: extreme rank z": [(extreme_pit, margin.sample_tail_p0, "greater")],
+        }
+        bets = {
+            "sampler: mean Φ(rank z) above ½ − margin": (pit, eq_low, "greater"),
+            "sampler: mean Φ(rank z) below ½ + margin": (pit, eq_high, "less"),
+        }
+        null = {
+            "sampler: mean Φ(rank z) off ½": f"|mean Φ(z) − ½| ≤ {margin.sampler_shift}",
+            "sampler: extreme rank z": f"share with z > {margin.sample_tail_z} ≤ {margin.sample_tail_p0}",
+            "sampler: mean Φ(rank z) above ½ − margin": f"mean Φ(z) ≤ {eq_low:g}",
+            "sampler: mean Φ(rank z) below ½ + margin": f"mean Φ(z) ≥ {eq_high:g}",
+        }
     if obs.mode != "logprob":
         return Tests(difference, bets, null)
     scale = margin.tail_dlogprob
     clipped = [min(s, scale) / scale for s in obs.shift]
     extreme = [1.0 if s > scale else 0.0 for s in obs.shift]
     m0 = margin.mean_abs_dlogprob / scale
-    difference = {
-        "mean |Δ logprob| above margin": stats.betting_e_process(clipped, null_mean=m0, alternative="greater"),
-        "extreme completions": stats.betting_e_process(extreme, null_mean=margin.tail_p0, alternative="greater"),
-    } | difference
+    shift_tests: dict[str, list[Bet]] = {
+        "mean |Δ logprob| above margin": [(clipped, m0, "greater")],
+        "extreme completions": [(extreme, margin.tail_p0, "greater")],
+    }
+    difference = shift_tests | difference
     below: Bet = (clipped, m0, "less")
     bets = {"mean |Δ logprob| below margin": below} | bets
     null |= {
@@ -459,6 +477,7 @@ def verdicts(
     for subject, audit, state, n_rounds in zip(subjects, audits, states, rounds, strict=True):
         verdict = state.verdict or "inconclusive"
         combined = state.tests.combined
+        obs = Observations.of(audit)
         out.append(
             ProviderVerdict(
                 provider=subject.provider,
@@ -478,6 +497,7 @@ def verdicts(
                 rounds=n_rounds,
                 e_value=_finite(combined.peak),
                 e_path=[round(float(w), 6) for w in combined.wealth],
+                observed=Observed(shift=[round(v, 6) for v in obs.shift], z=[round(v, 6) for v in obs.z]),
                 failed_requests=audit.failed,
                 errors=dict(audit.errors),
                 tokens=audit.tokens,

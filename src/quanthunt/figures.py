@@ -39,6 +39,26 @@ def _e_process(ax: Any, wealth: Sequence[float], threshold: float) -> None:
     ax.legend(fontsize=7)
 
 
+def monitors(title: str, paths: Mapping[str, Sequence[Sequence[float]]], thresholds: Mapping[str, float]) -> bytes:
+    """Each provider's monitor e-process over a generation run (``[index, e-value]`` after
+    each scored reply), on a log scale, with the wealth that stops the provider."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.0, 3.2), dpi=110)
+    for number, (tag, path) in enumerate(sorted(paths.items())):
+        color = f"C{number % 10}"
+        ax.plot([p[0] + 1 for p in path], [max(p[1], 1e-6) for p in path], color=color, label=tag)
+        if tag in thresholds:
+            ax.axhline(thresholds[tag], color=color, linestyle=":", linewidth=0.8)
+    ax.axhline(1.0, color="grey", linewidth=0.6)
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("monitored replies")
+    ax.set_ylabel("e-process (dotted: stop)")
+    ax.legend(fontsize=7)
+    return png(fig)
+
+
 def png(fig: Any) -> bytes:
     """Render a figure to PNG bytes and close it."""
     import matplotlib.pyplot as plt

@@ -57,6 +57,7 @@ from quanthunt.defaults import GATEWAY_LIMITS
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
 from quanthunt.gateway import TRANSIENT, ChatReply, GatewayError, Generation, Routing, chat_body, same_provider
 from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
+from quanthunt.monitoring import LOGPROB_TOP, Event, Monitoring
 from quanthunt.prompts import PromptRecord, next_request, skeleton
 
 BILLED_UNKNOWN = frozenset({"timeout", "disconnect", "malformed", "unexpected_reply", "transport"})
@@ -262,6 +263,10 @@ class Progress:
     quarantined: int = 0
     retired: dict[str, str] = field(default_factory=dict)
     """Endpoints dropped for the rest of the run (tag -> why)."""
+    monitor_stops: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Providers their monitor stopped this run (tag -> ``monitor.Stop`` fields, and the
+    replies it had served this run when the stop came: ``providers`` minus it is what was
+    in flight or already sent while its last monitored replies were being scored)."""
     started: float = field(default_factory=time.monotonic)
     stop_reason: str | None = None
     skipped_reasons: Counter[str] = field(default_factory=Counter)
@@ -385,8 +390,12 @@ class Engine:
     failed, or the run had to stop (then ``progress.stop_reason`` says why)."""
 
     def __init__(self, job: Job, chat: ChatClient, ledger: Ledger, writer: LedgerWriter, sink: RecordSink, *,
-                 done_turns: dict[tuple[str, int], dict[str, Any]], seed: int = 0) -> None:  # fmt: skip
+                 done_turns: dict[tuple[str, int], dict[str, Any]], seed: int = 0,
+                 monitoring: Monitoring | None = None) -> None:  # fmt: skip
         self.job, self.chat, self.ledger, self.writer, self.sink = job, chat, ledger, writer, sink
+        self.monitoring = monitoring
+        if monitoring is not None:
+            monitoring.on_stop = self._stopped_by_monitor
         self.done_turns = done_turns
         self.budget = Budget(job.max_usd)
         self.cooldown = Cooldown()
@@ -543,7 +552,7 @@ class Engine:
             "finish_reason": replies[-1]["finish_reason"],
             "turns": [
                 {
-                    k: r[k]
+                    k: r.get(k)
                     for k in (
                         "provider",
                         "endpoint_tag",
@@ -553,6 +562,7 @@ class Engine:
                         "completion_tokens",
                         "cost_usd",
                         "attempts",
+                        "monitor",
                     )
                 }
                 for r in replies
@@ -579,11 +589,13 @@ class Engine:
             if self._stop.is_set():
                 return None
             endpoint = self.rng.choices(self._active, weights=[p.weight for p in self._active])[0]
+            monitored = self.monitoring is not None and self.monitoring.wants(key, endpoint.tag)
+            logprobs = monitored and self.monitoring is not None and self.monitoring.asks_logprobs(endpoint.tag)
             body = chat_body(
                 model=job.model, messages=messages, max_tokens=max_tokens,
                 temperature=job.sampling.temperature, top_p=job.sampling.top_p,
                 seed=job.sampling.request_seed(key.record_id, key.turn), routing=self._routing[endpoint.tag],
-                reasoning=job.reasoning,
+                reasoning=job.reasoning, logprobs=logprobs, top_logprobs=LOGPROB_TOP if logprobs else None,
             )  # fmt: skip
             if not self.budget.reserve(worst):
                 self.stop(f"the run's spending cap (generate.max_usd_per_run ${job.max_usd:g}) would be exceeded")
@@ -609,7 +621,8 @@ class Engine:
                 )
                 continue
             self.progress.in_flight -= 1
-            result = await self._succeeded(key, attempt_id, worst, reply, endpoint, attempt=attempt, committing=committing)
+            result = await self._succeeded(key, attempt_id, worst, reply, endpoint, attempt=attempt, committing=committing,
+                                           monitored=messages if monitored else None)  # fmt: skip
             if result is not None:
                 return result
             if not reply.content.strip() and (larger := job.retry.empty_answer_max_tokens) and larger > max_tokens:
@@ -658,10 +671,11 @@ class Engine:
 
     async def _succeeded(
         self, key: RequestKey, attempt_id: int, worst: float, reply: ChatReply, endpoint: Eligible, *, attempt: int,
-        committing: list[asyncio.Future[Any]],
+        committing: list[asyncio.Future[Any]], monitored: list[dict[str, str]] | None = None,
     ) -> dict[str, Any] | None:  # fmt: skip
         """Settle a reply. Returns the turn, or None when the reply is paid for but not
-        usable: served by another provider (the endpoint is retired) or without an answer."""
+        usable: served by another provider (the endpoint is retired) or without an answer.
+        ``monitored``: the request's messages when its reply goes to the monitor."""
         usage = reply.usage
         cost = usage.cost if usage is not None and usage.cost is not None else worst
         self.budget.settle(worst, cost)
@@ -701,7 +715,10 @@ class Engine:
             "completion_tokens": completion_tokens,
             "cost_usd": cost,
             "attempts": attempt,
+            "monitor": self.monitoring.stamp(endpoint.tag) if self.monitoring is not None else None,
         }
+        if monitored is not None and self.monitoring is not None:
+            self.monitoring.served(endpoint.tag, key, monitored, reply)
         # Not awaited: the worker goes on while it commits; the record's line waits for it.
         committed = self.writer.submit(lambda: finish(state="done", outcome="ok", reply=result))
         committed.add_done_callback(self._committed)
@@ -714,15 +731,27 @@ class Engine:
         return result
 
     def _retire(self, endpoint: Eligible, why: str) -> None:
-        """Send nothing more to ``endpoint`` this run; with none left, stop (exit 2)."""
+        """Send nothing more to ``endpoint`` this run; with none left, stop: exit 75 when
+        every one was stopped by its monitor (verify again, then resume), else exit 2."""
         if endpoint not in self._active:
             return
         self._active.remove(endpoint)
         self.progress.retired[endpoint.tag] = why
         if not self._active:
             reasons = "; ".join(f"{tag}: {why}" for tag, why in self.progress.retired.items())
+            if all(tag in self.progress.monitor_stops for tag in self.progress.retired):
+                hint = "every eligible provider was stopped by its monitor"
+                self.stop(hint, fatal=StopRun(f"{hint} ({reasons}); rerun verify, then generate", EXIT_OUT_OF_BUDGET))
+                return
             hint = "every eligible endpoint answered as another provider"
             self.stop(hint, fatal=StopRun(f"{hint} ({reasons}); rerun verify", EXIT_BAD_INPUT))
+
+    def _stopped_by_monitor(self, event: Event) -> None:
+        """The provider's monitor crossed: route nothing more to it (in-flight requests finish)."""
+        self.progress.monitor_stops[event.tag] = {**event.stop.__dict__, "replies_before": self.progress.providers[event.tag]}
+        endpoint = self._endpoints.get(event.tag)
+        if endpoint is not None:
+            self._retire(endpoint, f"stopped by its monitor (e-value {event.stop.e_value:.3g}, {event.stop.test})")
 
     async def reconcile(self, lookup: Lookup) -> int:
         """Settle this run's unknown-outcome attempts whose generation id is known, from the

@@ -88,7 +88,20 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (dataset, record_id, params_hash)
     );
     """,
+    """
+    CREATE TABLE monitors (
+        verification_run_id TEXT NOT NULL,
+        dataset TEXT NOT NULL,
+        tag TEXT NOT NULL,
+        state TEXT NOT NULL,
+        stopped INTEGER NOT NULL DEFAULT 0,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (verification_run_id, dataset, tag)
+    );
+    """,
 )
+"""Numbered migrations: 1 the request ledger, 2 the generate stage's monitors (one
+provider's monitor state per verification and dataset, see ``quanthunt.monitor``)."""
 
 
 @dataclass(frozen=True)
@@ -234,7 +247,20 @@ class Ledger:
             [(dataset, record_id, params_hash, sha, line, now) for record_id, line, sha in lines],
         )
 
+    def op_monitor(self, verification_run_id: str, dataset: str, tag: str, state: dict[str, Any]) -> None:
+        """Save a provider's monitor state (``ProviderMonitor.state()``)."""
+        self.db.execute(
+            """INSERT INTO monitors VALUES (?, ?, ?, ?, ?, ?)
+               ON CONFLICT DO UPDATE SET state=excluded.state, stopped=excluded.stopped, updated_at=excluded.updated_at""",
+            (verification_run_id, dataset, tag, orjson.dumps(state).decode(), state.get("stopped") is not None, time.time()),
+        )
+
     # -- reads and recovery ---------------------------------------------------------------
+
+    def monitor_states(self, verification_run_id: str) -> dict[tuple[str, str], dict[str, Any]]:
+        """(dataset, tag) → saved monitor state, for every dataset of one verification."""
+        rows = self.db.execute("SELECT dataset, tag, state FROM monitors WHERE verification_run_id=?", (verification_run_id,))
+        return {(dataset, tag): json.loads(state) for dataset, tag, state in rows}
 
     def done_turns(self, dataset: str, params_hash: str) -> dict[tuple[str, int], dict[str, Any]]:
         """Replies of the finished turns of records not written yet, by (record id, turn):

@@ -327,6 +327,25 @@ class GenerateRetry(_Section):
     thinking ate the budget); null: the same budget again."""
 
 
+class Monitor(_Section):
+    """Re-verification during generation (``quanthunt.monitor``)."""
+
+    share: float = Field(default=0.05, ge=0, le=1)
+    """Share of each provider's production requests that also ask for logprobs (sample
+    mode: whose text is scored) and are scored at the reference in the background. 0: off."""
+    alpha: float = Field(default=0.05, gt=0, lt=1)
+    """Chance that any faithful provider is ever stopped, over every dataset of one
+    verification (divided across providers and datasets)."""
+    checkpoint_every: int = Field(default=8, ge=1)
+    """Monitored replies per checkpoint: records served since the checkpoint before the
+    estimated change are quarantined."""
+    concurrency: int = Field(default=4, ge=1, le=256)
+    """Scorings in flight at the reference."""
+    max_backlog: int = Field(default=256, ge=1)
+    """Monitored replies waiting to be scored; beyond it requests go unmonitored (counted)
+    rather than wait: the reference never holds up generation."""
+
+
 class Generate(_Section):
     max_records: int | None = Field(default=None, ge=1)
     """Records taken from each dataset, in file order (null: all)."""
@@ -342,6 +361,7 @@ class Generate(_Section):
     quantizations: tuple[str, ...] | None = None
     """Also filter on declared quantization in the routing request (null: verification decides)."""
     retry: GenerateRetry = GenerateRetry()
+    monitor: Monitor = Monitor()
     request_timeout_s: float = Field(default=180.0, gt=0)
     """A request with no complete reply after this long is abandoned (possibly billed) and retried."""
     progress_interval_s: float = Field(default=10.0, gt=0)

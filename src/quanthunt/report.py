@@ -123,6 +123,29 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], classes: Seque
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def monitor_section(datasets: Sequence[DatasetView]) -> str:
+    """Each dataset's monitors (from its card): the e-process of every provider over the
+    run, and what was stopped and quarantined."""
+    parts = []
+    rows = []
+    for d in datasets:
+        card = d.card or {}
+        monitored = {p["tag"]: p["monitor"] for p in card.get("providers", []) if p.get("monitor")}
+        paths = {tag: m["e_path"] for tag, m in monitored.items() if m["e_path"]}
+        if paths:
+            thresholds = {tag: m["threshold"] for tag, m in monitored.items()}
+            parts.append(_img(figures.monitors(f"{d.name}: monitors", paths, thresholds), f"monitors of {d.name}"))
+        for tag, m in monitored.items():
+            stop = m["stopped"]
+            rows.append([d.name, tag, m["replies"], f"{m['e_path'][-1][1]:.3g}" if m["e_path"] else "",
+                         f"{m['threshold']:.3g}", "no" if stop is None else f"at reply {stop['at']} ({stop['test']})",
+                         card.get("quarantined", {}).get("by_provider", {}).get(tag, 0)])  # fmt: skip
+    if not rows:
+        return "<p>No monitored generation yet.</p>"
+    table = _table(["dataset", "provider", "monitored replies", "e-value", "stops at", "stopped", "records quarantined"], rows)
+    return table + "".join(parts)
+
+
 def render(
     *,
     model: str,
@@ -226,6 +249,7 @@ def render(
         cost_plots += _img(figures.bars("Generation cost by endpoint (USD)", dict(by_endpoint), xlabel="USD"), "cost by endpoint")
         cost_plots += _img(figures.bars("Generation cost by dataset (USD)", dict(by_dataset), xlabel="USD"), "cost by dataset")
     token_plot = _img(token_histograms(datasets), "tokens and lengths per dataset") if records else ""
+    monitoring = monitor_section(datasets)
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>quanthunt report: {html.escape(model)}</title>
 <style>
@@ -246,6 +270,7 @@ Verification MLflow run: {html.escape(verdicts.verification_run_id or "")}.</p>
 <h2 id="shift">Distribution shift per provider</h2>{plots or "<p>No verification plots found.</p>"}
 <h2 id="power">Power of the tests</h2>{_img(power_curves(verdicts, margin, policy), "power curves")}
 <h2 id="datasets">Datasets</h2>{dataset_table}
+<h2 id="monitoring">Monitoring during generation</h2>{monitoring}
 <h2 id="cost">Cost</h2>{cost_plots or "<p>No generated records yet.</p>"}
 <h2 id="tokens">Tokens and lengths</h2>{token_plot or "<p>No generated records yet.</p>"}
 <script>

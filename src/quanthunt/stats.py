@@ -30,9 +30,10 @@ The questions, and the tools for each:
 * **Several providers** at once: :func:`holm` (family-wise error) or
   :func:`benjamini_hochberg` (false discovery rate), both via :func:`adjust`.
 * **Sequential, anytime-valid tests** (what the verify stage decides with): testing by
-  betting (:func:`betting_e_process`, :func:`outside_interval_e_process`, averaged with
-  :func:`average_e_processes`), whose error rate holds however often the data are looked
-  at; :func:`confidence_sequence` for the matching bounds; e-BH across providers is
+  betting (:func:`betting_e_process`, averaged with :func:`average_e_processes`; the
+  generate stage's monitor continues the same bets one observation at a time with
+  :func:`log_bet_factors`), whose error rate holds however often the data are looked at;
+  :func:`confidence_sequence` for the matching bounds; e-BH across providers is
   :func:`benjamini_hochberg` on ``1 / e``; and :func:`e_tail_power_curve` /
   :func:`completions_for_e_tail`, the exact power of the sequential tail test against a
   mixture. The fixed-sample tests above are kept as reported baselines.
@@ -74,9 +75,9 @@ __all__ = [
     "hamming_kernel_matrix",
     "holm",
     "kl_topk_with_tail",
+    "log_bet_factors",
     "mmd_hamming_test",
     "one_sided_mean_test",
-    "outside_interval_e_process",
     "stratified_permutation_test",
 ]
 
@@ -716,11 +717,11 @@ WEALTH_CAP = 1e300
 """Wealth is capped here (far beyond any threshold) instead of overflowing to infinity."""
 
 
-def _log_wealth(
+def log_bet_factors(
     x: FloatArray, null_means: FloatArray, alternative: Literal["greater", "less"], fractions: Sequence[float]
 ) -> FloatArray:
-    """``log K_t`` of the mixture of constant bets against each of ``null_means`` (rows), after
-    each observation of ``x`` (columns). ``"greater"``: the bet ``λ = f / m0`` multiplies the
+    """``log`` of what each constant bet multiplies its wealth by, per observation: shape
+    (fractions, null means, observations). ``"greater"``: the bet ``λ = f / m0`` multiplies the
     wealth by ``1 + λ (x − m0)``; ``"less"``: ``λ = f / (1 − m0)``, factor ``1 + λ (m0 − x)``."""
     if alternative not in ("greater", "less"):
         raise ValueError(f"alternative must be 'greater' or 'less', got {alternative!r}")
@@ -732,7 +733,15 @@ def _log_wealth(
         factors = 1.0 + (f[:, None, None] / m) * (x[None, None, :] - m)
     else:
         factors = 1.0 + (f[:, None, None] / (1.0 - m)) * (m - x[None, None, :])
-    per_bet = np.cumsum(np.log(factors), axis=2)
+    return np.asarray(np.log(factors), dtype=np.float64)
+
+
+def _log_wealth(
+    x: FloatArray, null_means: FloatArray, alternative: Literal["greater", "less"], fractions: Sequence[float]
+) -> FloatArray:
+    """``log K_t`` of the mixture of constant bets against each of ``null_means`` (rows), after
+    each observation of ``x`` (columns); the bets are :func:`log_bet_factors`'."""
+    per_bet = np.cumsum(log_bet_factors(x, null_means, alternative, fractions), axis=2)
     top = per_bet.max(axis=0)
     return np.asarray(top + np.log(np.exp(per_bet - top).mean(axis=0)), dtype=np.float64)
 
@@ -760,22 +769,6 @@ def betting_e_process(
     _check_unit_open(null_mean, "null_mean")
     log_wealth = _log_wealth(_check_bounded(values), np.array([null_mean]), alternative, fractions)[0]
     return EProcess(np.exp(np.minimum(log_wealth, math.log(WEALTH_CAP))))
-
-
-def outside_interval_e_process(
-    values: npt.ArrayLike, *, low: float, high: float, fractions: Sequence[float] = BET_FRACTIONS
-) -> EProcess:
-    """H0 ``low ≤ mean ≤ high`` against "the mean lies outside": the average of a ``"greater"``
-    test at ``high`` and a ``"less"`` test at ``low``. Under H0 both are e-processes, so their
-    average is one; it grows when either side is wrong.
-
-    Usage: ``outside_interval_e_process(u, low=0.45, high=0.55)`` (uniform PITs off centre)
-    """
-    if not 0.0 < low <= high < 1.0:
-        raise ValueError(f"need 0 < low ≤ high < 1, got low={low!r}, high={high!r}")
-    up = betting_e_process(values, null_mean=high, alternative="greater", fractions=fractions)
-    down = betting_e_process(values, null_mean=low, alternative="less", fractions=fractions)
-    return EProcess((up.wealth + down.wealth) / 2.0)
 
 
 def average_e_processes(processes: Sequence[EProcess]) -> EProcess:

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -142,6 +142,15 @@ class StageRun:
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, 0) for k, v in metrics.items() if v is not None]
+        for start in range(0, len(batch), 500):
+            self.client.log_batch(self.run_id, metrics=batch[start : start + 500])
+
+    def log_series(self, key: str, points: Sequence[tuple[int, float]]) -> None:
+        """One metric over steps (e.g. a monitor's e-value after each monitored reply)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(key, float(v), now, int(step)) for step, v in points]
         for start in range(0, len(batch), 500):
             self.client.log_batch(self.run_id, metrics=batch[start : start + 500])
 

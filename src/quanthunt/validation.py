@@ -7,6 +7,8 @@ tag and provider name),
 costs, token limits, sampling params), then checks what a row cannot see: the share
 of truncated answers, costs against the ledger, and every line against the sha256 the
 ledger recorded when generation wrote it (edited, added or removed records are named).
+Records a provider served after its monitor's change estimate (``suspect``) pass the
+checks like any other line of the file but are quarantined: not exported, counted.
 """
 
 from __future__ import annotations
@@ -77,6 +79,20 @@ def _row(line: int, entry: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def suspect_by(entry: Mapping[str, Any], suspect: Mapping[str, int]) -> str | None:
+    """The stopped provider's tag if any turn came from it at or after its first suspect
+    checkpoint (``suspect``: tag → checkpoint; a turn without a monitor stamp counts as
+    after), else None."""
+    for turn in (entry.get("provenance") or {}).get("turns") or []:
+        if not isinstance(turn, dict):
+            continue
+        tag = str(turn.get("endpoint_tag"))
+        start = suspect.get(tag)
+        if start is not None and int((turn.get("monitor") or {}).get("checkpoint", start)) >= start:
+            return tag
+    return None
+
+
 def _normalised(text: str) -> str:
     return re.sub(r"\W+", " ", text.lower()).strip()
 
@@ -90,11 +106,14 @@ def check(
     ledger_lines: Mapping[str, str],
     ledger_costs: Mapping[str, float],
     max_truncated_share: float,
+    suspect: Mapping[str, int] | None = None,
     first: int = 5,
 ) -> Checked:
     """Validate a generated dataset's lines. ``eligible``: (endpoint tag, provider name) of
     each verified-equivalent endpoint; ``ledger_lines``: record id → sha256 of the line
-    generation wrote; ``ledger_costs``: record id → settled spend in the ledger."""
+    generation wrote; ``ledger_costs``: record id → settled spend in the ledger;
+    ``suspect``: endpoint tag → checkpoint from which its monitor quarantined its records.
+    ``Checked.records`` holds the records to export (quarantined ones left out)."""
     found: list[Failure] = []
     records: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
@@ -141,12 +160,18 @@ def check(
         if ids:
             found.append(Failure("line_sha256", name, len(ids), ids[:first]))
 
+    by = [suspect_by(entry, suspect or {}) for entry in records]
+    quarantined = Counter(tag for tag in by if tag is not None)
+    exported = [entry for entry, tag in zip(records, by, strict=True) if tag is None]
     answers = [_normalised(r["answer"]) for r in rows]
     seen = Counter(answers)
     duplicates = sum(c for a, c in seen.items() if a and c > 1)
     lengths = [len(r["answer"]) for r in rows]
     metrics = {
-        "records": n,
+        "records": len(exported),
+        "records_generated": n,
+        "records_quarantined": sum(quarantined.values()),
+        "quarantined_by_provider": dict(quarantined),
         "turns": sum(r["turns"] for r in rows),
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "completion_tokens": sum(r["completion_tokens"] for r in rows),
@@ -159,7 +184,7 @@ def check(
         "mean_answer_chars": round(statistics.fmean(lengths), 1) if lengths else 0.0,
         "failed_checks": len(found),
     }
-    return Checked(found, metrics, records)
+    return Checked(found, metrics, exported)
 
 
 def final_record(entry: Mapping[str, Any]) -> dict[str, Any]:

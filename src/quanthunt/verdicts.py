@@ -41,6 +41,16 @@ class TestResult(_Model):
     null: str
 
 
+class Observed(_Model):
+    """The audit's betting observations in audit order, from which the generate stage's
+    monitor continues the e-process (``quanthunt.monitor``)."""
+
+    shift: list[float]
+    """Logprob mode: mean |Δ logprob| per completion (empty in sample mode)."""
+    z: list[float]
+    """Rank z per completion."""
+
+
 class ProviderVerdict(_Model):
     provider: str
     tag: str
@@ -65,6 +75,7 @@ class ProviderVerdict(_Model):
     """The largest wealth the provider's combined difference e-process reached."""
     e_path: list[float] = Field(default_factory=list)
     """That e-process after each completion, in audit order (for the report's plot)."""
+    observed: Observed = Observed(shift=[], z=[])
     failed_requests: int = Field(ge=0)
     errors: dict[str, int]
     tokens: int = Field(ge=0)

@@ -260,6 +260,78 @@ def compare_logprobs(
     return LogprobCompletion(probe_id, index, len(provider), len(deltas), deltas, kls, agree, z, seq)
 
 
+class Scorer:
+    """Scores completions at the reference, teacher-forced: the verify stage's probes and
+    the generate stage's monitored replies alike."""
+
+    def __init__(self, reference: Reference, reasoning: Reasoning, *, top_logprobs: int, attempts: int) -> None:
+        self.reference = reference
+        self.reasoning = reasoning
+        self.top_logprobs = top_logprobs
+        self.attempts = attempts
+
+    async def prompt_ids(self, messages: Sequence[Mapping[str, str]], errors: Counter[str]) -> list[int]:
+        kwargs = self.reasoning.reference_kwargs()
+        return await with_retries(
+            lambda: self.reference.tokenize_chat(messages, template_kwargs=kwargs), attempts=self.attempts, errors=errors
+        )
+
+    async def completion_ids(
+        self, text: str, reasoning: str | None, finish_reason: str | None, errors: Counter[str]
+    ) -> list[int]:
+        """The reference's tokens of what the model generated after the prompt: the answer,
+        or with ``reasoning.mode: on`` the reasoning, the end of the thinking block and the
+        answer (the block's end only if the budget left room for an answer)."""
+
+        async def tokens(piece: str) -> list[int]:
+            return (
+                await with_retries(lambda: self.reference.tokenize_text(piece), attempts=self.attempts, errors=errors)
+                if piece
+                else []
+            )
+
+        if self.reasoning.mode != "on" or reasoning is None:
+            return await tokens(text)
+        ids = await tokens(reasoning)
+        if text or finish_reason != "length":
+            ids += await tokens(self.reasoning.end_marker) + await tokens(text)
+        return ids
+
+    async def logprobs(self, prompt: list[int], reply: ChatReply, errors: Counter[str], *, probe_id: str, index: int,
+                       seq: int) -> LogprobCompletion:  # fmt: skip
+        """Pair a reply's logprobs with the reference's scores of the same tokens."""
+        assert reply.logprobs is not None
+        ids = await self.completion_ids(reply.content, reply.reasoning, reply.finish_reason, errors)
+        scored = await with_retries(
+            lambda: self.reference.score(prompt + ids, top_logprobs=self.top_logprobs, names=True),
+            attempts=self.attempts,
+            errors=errors,
+        )
+        return compare_logprobs(probe_id, index, reply.logprobs, scored, len(prompt), listed=self.top_logprobs, seq=seq)
+
+    async def text(self, prompt: list[int], ids: list[int], errors: Counter[str], *, probe_id: str, index: int,
+                   source: str, seq: int) -> SampledText:  # fmt: skip
+        """Score a text's tokens ``ids`` (its rank z and mean log-likelihood)."""
+        if not ids:
+            return SampledText(probe_id, index, source, [], 0.0, seq=seq)
+        scored = await with_retries(
+            lambda: self.reference.score(prompt + ids, top_logprobs=RANK_TOP_K), attempts=self.attempts, errors=errors
+        )
+        positions = [p for p in scored.positions[len(prompt) :] if p is not None]
+        values = [p.logprob for p in positions]
+        z = rank_z(positions, listed=RANK_TOP_K, seed=f"{probe_id}:{index}:{source}:{ids}")
+        return SampledText(probe_id, index, source, ids, statistics.fmean(values) if values else 0.0, z, len(values), seq)
+
+
+def thought_while_off(reasoning: Reasoning, reply: ChatReply, errors: Counter[str]) -> bool:
+    """A reply that carries reasoning although thinking was turned off (a provider that
+    ignores the switch, or a model whose reasoning is mandatory) cannot be paired."""
+    if reasoning.mode == "off" and reply.reasoning:
+        errors["reasoning_not_off"] += 1
+        return True
+    return False
+
+
 class Auditor:
     """Runs the probes of one stage: gateway and reference clients, a concurrency limit,
     and caches of what every provider shares (prompt token ids, reference samples)."""
@@ -272,19 +344,14 @@ class Auditor:
         """Every endpoint tag the survey listed (a pin on a base slug ignores its variants)."""
         self.reference = reference
         self.design = design
+        self.scorer = Scorer(reference, design.reasoning, top_logprobs=design.top_logprobs, attempts=design.max_attempts)
         self._gate = asyncio.Semaphore(concurrency)
         self._prompt_ids: dict[str, list[int]] = {}
         self._reference_samples: dict[tuple[str, int], asyncio.Task[SampledText | None]] = {}
 
     async def prompt_ids(self, probe: Probe, errors: Counter[str]) -> list[int]:
         if probe.id not in self._prompt_ids:
-            kwargs = self.design.reasoning.reference_kwargs()
-            ids = await with_retries(
-                lambda: self.reference.tokenize_chat(probe.as_messages(), template_kwargs=kwargs),
-                attempts=self.design.max_attempts,
-                errors=errors,
-            )
-            self._prompt_ids[probe.id] = ids
+            self._prompt_ids[probe.id] = await self.scorer.prompt_ids(probe.as_messages(), errors)
         return self._prompt_ids[probe.id]
 
     async def _ask(self, audit: Audit, probe: Probe, index: int, *, logprobs: bool) -> ChatReply:
@@ -307,47 +374,11 @@ class Auditor:
             audit.tokens += reply.usage.completion_tokens
         return reply
 
-    async def completion_ids(
-        self, text: str, reasoning: str | None, finish_reason: str | None, errors: Counter[str]
-    ) -> list[int]:
-        """The reference's tokens of what the model generated after the prompt: the answer,
-        or with ``reasoning.mode: on`` the reasoning, the end of the thinking block and the
-        answer (the block's end only if the budget left room for an answer)."""
-        attempts = self.design.max_attempts
-
-        async def tokens(piece: str) -> list[int]:
-            return (
-                await with_retries(lambda: self.reference.tokenize_text(piece), attempts=attempts, errors=errors) if piece else []
-            )
-
-        if self.design.reasoning.mode != "on" or reasoning is None:
-            return await tokens(text)
-        ids = await tokens(reasoning)
-        if text or finish_reason != "length":
-            ids += await tokens(self.design.reasoning.end_marker) + await tokens(text)
-        return ids
-
-    def thought_while_off(self, audit: Audit, reply: ChatReply) -> bool:
-        """A reply that carries reasoning although thinking was turned off (a provider that
-        ignores the switch, or a model whose reasoning is mandatory) cannot be paired."""
-        if self.design.reasoning.mode == "off" and reply.reasoning:
-            audit.errors["reasoning_not_off"] += 1
-            return True
-        return False
-
     async def _score_text(
         self, probe: Probe, index: int, source: str, ids: list[int], errors: Counter[str], *, seq: int
     ) -> SampledText:
         prompt = await self.prompt_ids(probe, errors)
-        if not ids:
-            return SampledText(probe.id, index, source, [], 0.0, seq=seq)
-        scored = await with_retries(
-            lambda: self.reference.score(prompt + ids, top_logprobs=RANK_TOP_K), attempts=self.design.max_attempts, errors=errors
-        )
-        positions = [p for p in scored.positions[len(prompt) :] if p is not None]
-        values = [p.logprob for p in positions]
-        z = rank_z(positions, listed=RANK_TOP_K, seed=f"{probe.id}:{index}:{source}:{ids}")
-        return SampledText(probe.id, index, source, ids, statistics.fmean(values) if values else 0.0, z, len(values), seq)
+        return await self.scorer.text(prompt, ids, errors, probe_id=probe.id, index=index, source=source, seq=seq)
 
     async def logprob_completion(self, audit: Audit, probe: Probe, index: int, seq: int) -> None:
         async with self._gate:
@@ -360,19 +391,11 @@ class Auditor:
                     return
                 if not reply.logprobs:
                     raise GatewayError("the provider returned no logprobs", kind="no_logprobs")
-                if self.thought_while_off(audit, reply):
+                if thought_while_off(self.design.reasoning, reply, audit.errors):
                     audit.failed += 1
                     return
                 prompt = await self.prompt_ids(probe, audit.errors)
-                ids = await self.completion_ids(reply.content, reply.reasoning, reply.finish_reason, audit.errors)
-                scored = await with_retries(
-                    lambda: self.reference.score(prompt + ids, top_logprobs=self.design.top_logprobs, names=True),
-                    attempts=self.design.max_attempts,
-                    errors=audit.errors,
-                )
-                completion = compare_logprobs(
-                    probe.id, index, reply.logprobs, scored, len(prompt), listed=self.design.top_logprobs, seq=seq
-                )
+                completion = await self.scorer.logprobs(prompt, reply, audit.errors, probe_id=probe.id, index=index, seq=seq)
                 if not completion.deltas:  # the first token already tokenizes otherwise: counted, not hidden
                     audit.failed += 1
                     audit.errors["unpaired_tokens"] += 1
@@ -405,7 +428,7 @@ class Auditor:
                     attempts=d.max_attempts,
                     errors=errors,
                 )
-                ids = await self.completion_ids(sampled.text, sampled.reasoning, sampled.finish_reason, errors)
+                ids = await self.scorer.completion_ids(sampled.text, sampled.reasoning, sampled.finish_reason, errors)
                 return await self._score_text(probe, index, "reference", ids, errors, seq=seq)
             except GatewayError:
                 return None
@@ -415,10 +438,10 @@ class Auditor:
             audit.attempted += 1
             try:
                 reply = await self._ask(audit, probe, index, logprobs=False)
-                if self.thought_while_off(audit, reply):
+                if thought_while_off(self.design.reasoning, reply, audit.errors):
                     audit.failed += 1
                     return
-                ids = await self.completion_ids(reply.content, reply.reasoning, reply.finish_reason, audit.errors)
+                ids = await self.scorer.completion_ids(reply.content, reply.reasoning, reply.finish_reason, audit.errors)
                 audit.sampled.append(await self._score_text(probe, index, "provider", ids, audit.errors, seq=seq))
             except GatewayError:
                 audit.failed += 1

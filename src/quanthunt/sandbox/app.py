@@ -74,6 +74,8 @@ class Stats:
     admitted: Counter[str] = field(default_factory=Counter)
     """Chat requests each endpoint tag began serving, counted before any await (``served``
     counts them done), so a provider's drift after N requests falls at the same request each run."""
+    drifted: dict[str, list[str]] = field(default_factory=dict)
+    """Generation ids each endpoint served under a drift (the hidden truth, for tests)."""
 
 
 @dataclass
@@ -395,6 +397,7 @@ class Sandbox:
                     for p in self.roster.providers
                     if p.drift
                 },
+                "drifted_generations": self.stats.drifted,
                 "compute": getattr(self.engine, "compute_stats", dict)(),
                 "key": {
                     "usage": account.usage,
@@ -520,6 +523,8 @@ class Sandbox:
     async def _serve(self, call: _Call, provider: Provider, fault: str | None) -> Response:
         params, prompt_ids = call.params, call.prompt_ids
         truth = self.truth_for(provider)
+        if truth.drift is not None:
+            self.stats.drifted.setdefault(provider.tag, []).append(call.gen_id)
         precision = self.precision_for(provider, truth, params, prompt_ids)
         sampling = SamplingRequest(
             prompt_ids=tuple(prompt_ids),

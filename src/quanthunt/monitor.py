@@ -1,0 +1,217 @@
+"""Re-verification during generation: each provider's difference e-process, continued from
+the verify stage's audit on a share of its production requests. Pure: observations in,
+alarms out; the generate stage sends the requests, scores them and saves the state.
+
+A provider can change what it serves after it was audited (re-quantized, moved, or routing
+part of its traffic elsewhere). The monitor tests, after every monitored reply, the null
+"this provider has served the reference's distribution all along", against "from some
+point on it does not". Its statistic is a mixture over change points (the e-detector idea
+of Shin, Ramdas & Rinaldo, "E-detectors: a nonparametric framework for sequential change
+detection", 2024), kept a test rather than a detector so its error is a probability:
+
+- the observations are the verify stage's betting observations (:mod:`quanthunt.decision`),
+  bet on by the same constant bets (:data:`quanthunt.stats.BET_FRACTIONS`);
+- component 0 continues the verify stage's audit (its observations replayed, then the
+  monitored ones); component ``j ≥ 1`` starts fresh at checkpoint ``j``, every
+  ``checkpoint_every`` monitored replies, so a change late in a long run is not paid for
+  with the wealth a faithful past has cost the earlier components;
+- the statistic is ``Σ_j w_j K_j`` with ``w_j = 1 / ((j + 1)(j + 2))`` (weights summing to 1).
+  Under the null every ``K_j`` is a test supermartingale, so the mixture is one too, and by
+  Ville's inequality it ever reaches ``1 / α`` with probability ≤ α however long the run.
+  Dropping components (to bound memory) only lowers it, so that keeps the bound.
+
+When it crosses, the component carrying the most weighted wealth estimates where the change
+began; every record the provider served from the checkpoint before that one on is suspect.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from quanthunt import stats
+from quanthunt.decision import Bet, Observations, sequential_tests
+from quanthunt.params import Margins
+
+MAX_COMPONENTS = 48
+"""Change-point components kept per provider; beyond it the one with the least weighted
+wealth is dropped (valid: it only lowers the statistic)."""
+
+
+def weight(checkpoint: int) -> float:
+    """The prior weight of a change at ``checkpoint`` (0: before or during the audit)."""
+    return 1.0 / ((checkpoint + 1) * (checkpoint + 2))
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One monitored reply as scored at the reference: its mean |Δ logprob| (logprob mode;
+    None in sample mode) and its rank z."""
+
+    shift: float | None
+    z: float
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why and where a provider's monitor stopped it."""
+
+    at: int
+    """The monitored reply (index) whose observation crossed the threshold."""
+    e_value: float
+    suspect_from: int
+    """Records the provider served at this checkpoint or later are suspect."""
+    test: str
+    """The difference test that gained most since the estimated change."""
+
+
+@dataclass
+class ProviderMonitor:
+    """One provider's monitor for one dataset (see the module docstring)."""
+
+    tag: str
+    mode: str
+    sampler: bool
+    """Whether the sampler's tests run: only when generation samples the raw distribution
+    (temperature 1, top-p 1), as the rank z needs."""
+    margin: Margins
+    threshold: float
+    checkpoint_every: int
+    served: int = 0
+    """Monitored replies so far (each gets the next index; checkpoints count these)."""
+    fed: int = 0
+    """Indices whose observation (or loss) has been applied, in index order."""
+    components: dict[int, np.ndarray] = field(default_factory=dict)
+    """Checkpoint → log wealth of each bet (rows) at each fraction (columns)."""
+    path: list[tuple[int, float]] = field(default_factory=list)
+    """(index, statistic) after each applied observation, for the plot."""
+    stopped: Stop | None = None
+    _pending: dict[int, Observation | None] = field(default_factory=dict)
+    bet_names: list[str] = field(init=False)
+    """Each bet's test (a two-sided test has two bets)."""
+    _bet_weights: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        bets = self._bets(Observation(0.0 if self.mode == "logprob" else None, 0.0))
+        self.bet_names = [name for name, _, _ in bets]
+        self._bet_weights = np.array([w for _, _, w in bets])
+        if not self.components:
+            self.components[0] = self._zeros()
+
+    def _zeros(self) -> np.ndarray:
+        return np.zeros((len(self.bet_names), len(stats.BET_FRACTIONS)))
+
+    @classmethod
+    def start(cls, tag: str, mode: str, *, sampler: bool, margin: Margins, alpha: float, checkpoint_every: int,
+              audited: Sequence[Observation]) -> ProviderMonitor:  # fmt: skip
+        """A monitor whose component 0 has already bet on the verify stage's ``audited``
+        observations (no change point can precede them: they were the audit)."""
+        monitor = cls(tag, mode, sampler, margin, 1.0 / alpha, checkpoint_every)
+        for observation in audited:
+            monitor.components[0] += monitor._log_factors(observation)
+        return monitor
+
+    @property
+    def monitored(self) -> bool:
+        """Whether any test runs (a sample-mode provider sampled hot or cold has none)."""
+        return bool(self.bet_names)
+
+    @property
+    def checkpoint(self) -> int:
+        """The checkpoint a record served now belongs to."""
+        return self.served // self.checkpoint_every
+
+    def next_index(self) -> int:
+        """Index for a new monitored reply."""
+        self.served += 1
+        return self.served - 1
+
+    def _bets(self, observation: Observation) -> list[tuple[str, Bet, float]]:
+        """Each flat bet with its test's name and its weight in the averaged statistic."""
+        shift = [] if observation.shift is None else [observation.shift]
+        tests = sequential_tests(Observations(self.mode, shift, [observation.z], [""], 0), self.margin,
+                                 sampler=self.sampler).difference_bets  # fmt: skip
+        return [(name, bet, 1.0 / (len(tests) * len(bets))) for name, bets in tests.items() for bet in bets]
+
+    def _log_factors(self, observation: Observation) -> np.ndarray:
+        rows = [
+            stats.log_bet_factors(np.array(x), np.array([m0]), side, stats.BET_FRACTIONS)[:, 0, 0]
+            for _, (x, m0, side), _ in self._bets(observation)
+        ]
+        return np.array(rows).reshape(len(rows), len(stats.BET_FRACTIONS))
+
+    def wealth(self, checkpoint: int) -> float:
+        """``K_j``: the averaged wealth of the component started at ``checkpoint``."""
+        log_wealth = np.minimum(self.components[checkpoint], math.log(stats.WEALTH_CAP))
+        return float(self._bet_weights @ np.exp(log_wealth).mean(axis=1))
+
+    @property
+    def e_value(self) -> float:
+        """The statistic ``Σ_j w_j K_j`` now."""
+        return min(sum(weight(j) * self.wealth(j) for j in self.components), stats.WEALTH_CAP)
+
+    def feed(self, index: int, observation: Observation | None) -> Stop | None:
+        """Apply the observation of monitored reply ``index`` (None: it could not be scored)
+        once every earlier index is in, in index order. Returns the stop if it crosses now."""
+        if self.stopped is not None or index < self.fed:
+            return None
+        self._pending[index] = observation
+        while self.fed in self._pending and self.stopped is None:
+            self._apply(self._pending.pop(self.fed))
+        return self.stopped
+
+    def _apply(self, observation: Observation | None) -> None:
+        index = self.fed
+        self.fed += 1
+        if observation is None:
+            return
+        checkpoint = index // self.checkpoint_every
+        if checkpoint not in self.components:
+            self.components[checkpoint] = self._zeros()
+        factors = self._log_factors(observation)
+        for j in self.components:
+            self.components[j] = self.components[j] + factors
+        self._prune()
+        e_value = self.e_value
+        self.path.append((index, e_value))
+        if e_value >= self.threshold:
+            self.stopped = self._stop(index, e_value)
+
+    def _prune(self) -> None:
+        while len(self.components) > MAX_COMPONENTS:
+            newest = max(self.components)
+            weakest = min((j for j in self.components if j != newest), key=lambda j: weight(j) * self.wealth(j))
+            del self.components[weakest]
+
+    def _stop(self, index: int, e_value: float) -> Stop:
+        change = max(self.components, key=lambda j: weight(j) * self.wealth(j))
+        gained = self.components[change].max(axis=1)
+        test = self.bet_names[int(np.argmax(gained))]
+        return Stop(at=index, e_value=e_value, suspect_from=max(change - 1, 0), test=test)
+
+    # -- persistence (the ledger's ``monitors`` table holds this as JSON) ------------------
+
+    def state(self) -> dict[str, Any]:
+        """What a resumed run needs: counters, components, the path and the stop."""
+        return {
+            "served": self.served,
+            "fed": self.fed,
+            "threshold": self.threshold,
+            "components": {str(j): w.round(12).tolist() for j, w in self.components.items()},
+            "path": [[i, round(e, 9)] for i, e in self.path],
+            "stopped": None if self.stopped is None else self.stopped.__dict__,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``. Replies that were monitored but not yet scored when the
+        earlier run ended are lost: their indices count as unscored (the order stays)."""
+        self.served = int(state["served"])
+        self.fed = self.served
+        self.components = {int(j): np.array(w, dtype=np.float64) for j, w in state["components"].items()}
+        self.path = [(int(i), float(e)) for i, e in state["path"]]
+        self.stopped = None if state["stopped"] is None else Stop(**state["stopped"])
+        self._pending.clear()

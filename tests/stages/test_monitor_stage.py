@@ -1,0 +1,152 @@
+"""The generate stage's monitor on the real model: a provider that drifts to NVFP4 after
+30 % of its requests is stopped, none of the records it served after the drift reaches
+``data/final``, the faithful provider goes on serving; a kill -9 mid-run resumes with the
+monitor's state as it was saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from fixtures.generation import SANDBOX_KEY, GenerationBed, write_prompts, write_verdicts
+from fixtures.project import BIN, Project
+from fixtures.sandbox import provider
+
+from quanthunt.ledger import Ledger
+from quanthunt.sandbox.server import SandboxProcess
+
+RECORDS = 64
+DRIFT_AFTER = 10
+"""beta's requests before it drifts: 30 % of the ~32 it gets (prices are equal)."""
+PREDICTED_REPLIES = 8
+"""Monitored replies from a drift to NVFP4 to the stop: ``benchmarks/monitor_drift.py``'s
+p99 at ``checkpoint_every`` 4 (the stop needs the checkpoint after the drift, then ~2)."""
+
+
+@dataclass
+class DriftBed:
+    project: Project
+    sandbox: SandboxProcess
+
+    def stats(self) -> dict[str, Any]:
+        reply = httpx.get(f"{self.sandbox.api_url}/sandbox/stats", headers={"Authorization": f"Bearer {SANDBOX_KEY}"})
+        return dict(reply.json())
+
+    def summary(self) -> dict[str, Any]:
+        return dict(json.loads((self.project.root / "reports/generate/tiny.json").read_text()))
+
+
+@pytest.fixture
+def drift_bed(project: Project, tmp_path: Path) -> Iterator[Callable[..., DriftBed]]:
+    started: list[SandboxProcess] = []
+
+    def build(*, drift_after: int = DRIFT_AFTER, concurrency: int = 8) -> DriftBed:
+        alpha = provider("alpha", precision="int4-bf16act")  # faithful, with bf16 compute noise
+        beta = provider("beta", drift=[{"after_requests": drift_after, "precision": "nvfp4"}])
+        roster = {"providers": [alpha, beta], "credits": {"default_usd": 100.0}}
+        path = tmp_path / "roster.yaml"
+        path.write_text(yaml.safe_dump(roster), encoding="utf-8")
+        sandbox = SandboxProcess(mode="model", roster=path, log_path=tmp_path / "sandbox.log").start()
+        started.append(sandbox)
+        write_prompts(project.root / "data/prompts/tiny.jsonl", RECORDS, multiturn_every=0)
+        settings: dict[str, Any] = {
+            "api.base_url": sandbox.api_url, "reference.base_url": sandbox.reference_url, "datasets": ["tiny"],
+            "generate.max_records": None, "generate.concurrency": concurrency, "generate.sampling.max_tokens": 24,
+            "generate.monitor.share": 1.0, "generate.monitor.checkpoint_every": 4, "generate.progress_interval_s": 1,
+        }  # fmt: skip
+        for key, value in settings.items():
+            project.set_param(key, value)
+        done = project.run("survey", "--params", "params.yaml")
+        assert done.returncode == 0, done.stderr
+        model = yaml.safe_load(project.params_path.read_text())["survey"]["model"]
+        write_verdicts(project.root, [alpha, beta], model)
+        return DriftBed(project, sandbox)
+
+    yield build
+    for sandbox in started:
+        sandbox.stop()
+
+
+@pytest.mark.model
+def test_a_drifting_provider_is_stopped_and_its_drifted_records_never_exported(drift_bed: Callable[..., DriftBed]) -> None:
+    bed = drift_bed()
+    done = bed.project.run("generate", "tiny", "--params", "params.yaml", timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "monitor: stopped routing to beta/int4" in done.stdout + done.stderr
+
+    monitor = bed.summary()["monitor"]["providers"]
+    assert monitor["alpha/int4"]["stopped"] is None
+    stop = monitor["beta/int4"]["stopped"]
+    assert stop is not None
+    # beta's replies are all monitored (share 1): the drift is at its reply DRIFT_AFTER
+    assert DRIFT_AFTER <= stop["at"] < DRIFT_AFTER + PREDICTED_REPLIES
+    assert stop["suspect_from"] * 4 <= DRIFT_AFTER
+
+    checked = bed.project.run("validate", "tiny", "--params", "params.yaml", timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    drifted = set(bed.stats()["drifted_generations"]["beta/int4"])
+    assert drifted, "the drift never happened: the test proves nothing"
+    final = [json.loads(line) for line in (bed.project.root / "data/final/tiny.jsonl").read_text().splitlines()]
+    exported = {t["generation_id"] for r in final for t in r["provenance"]["turns"]}
+    assert not exported & drifted
+    assert any(t["endpoint_tag"] == "alpha/int4" for r in final for t in r["provenance"]["turns"])
+    card = json.loads((bed.project.root / "data/final/tiny.card.json").read_text())
+    generated = len((bed.project.root / "data/generated/tiny.jsonl").read_text().splitlines())
+    assert card["quarantined"]["records"] == generated - len(final) > 0
+    assert card["quarantined"]["by_provider"] == {"beta/int4": card["quarantined"]["records"]}
+    for record in final:
+        for turn in record["provenance"]["turns"]:
+            assert turn["monitor"]["checkpoint"] >= 0 and turn["monitor"]["e_value"] >= 0
+
+    again = bed.project.run("generate", "tiny", "--params", "params.yaml", timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "not routing to beta/int4" in again.stdout + again.stderr
+
+
+def test_kill_9_mid_run_resumes_with_the_monitors_state(generation_bed: Callable[..., GenerationBed]) -> None:
+    """On the latency sandbox (the monitor's bookkeeping, not the model, is under test)."""
+    bed = generation_bed(records=200, latency_ms=150, params={"generate.concurrency": 4, "generate.monitor.share": 1.0,
+                                                               "generate.monitor.checkpoint_every": 4})  # fmt: skip
+    ledger_path = bed.project.root / "state/ledger.sqlite"
+    cmd = [str(BIN / "quanthunt"), "generate", "tiny", "--params", "params.yaml"]
+    with subprocess.Popen(cmd, cwd=bed.project.root, env=bed.project.env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, start_new_session=True) as process:  # fmt: skip
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and sum(len(s["path"]) for s in monitor_states(ledger_path).values()) < 20:
+            time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGKILL)
+    before = monitor_states(ledger_path)
+    assert sum(len(s["path"]) for s in before.values()) >= 20, "killed before the monitors saved anything"
+    assert len(bed.records()) < 200, "the run finished before the kill: nothing was resumed"
+
+    done = bed.generate()
+    assert done.returncode == 0, done.stdout + done.stderr
+    after = monitor_states(ledger_path)
+    for tag, state in before.items():
+        resumed = after[tag]
+        assert resumed["path"][: len(state["path"])] == state["path"]  # the saved past is kept, not restarted
+        assert resumed["served"] > state["served"]
+        indices = [i for i, _ in resumed["path"]]
+        assert indices == sorted(set(indices))
+        assert resumed["stopped"] is None
+    assert len(bed.records()) == 200
+
+
+def monitor_states(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.exists():
+        return {}
+    ledger = Ledger(path)
+    try:
+        return {tag: state for (_, tag), state in ledger.monitor_states("fixture").items()}
+    finally:
+        ledger.close()
