@@ -59,7 +59,7 @@ from scipy.special import logsumexp
 from scipy.stats import beta
 
 from quanthunt import stats
-from quanthunt.monitor import MAX_COMPONENTS, Observation, ProviderMonitor, Stop
+from quanthunt.monitor import MAX_COMPONENTS, Observation, ProviderMonitor, Stop, suspect_from
 from quanthunt.monitoring import LOGPROB_TOP
 from quanthunt.params import Margins, Params, load_params
 from quanthunt.verification import rank_z
@@ -250,10 +250,10 @@ class Batch:
             for row in np.flatnonzero(crossed):
                 weighted = self._weighted(np.array([row]))[0]
                 slot = int(np.nanargmax(weighted))
-                change = int(self.ckpt[row, slot])
+                by_checkpoint = {int(c): float(w) for c, w in zip(self.ckpt[row], weighted, strict=True) if c >= 0}
                 gained = (self.s[row] - self.off[row, slot]).reshape(len(self.names), -1).max(axis=1)
                 value = min(float(np.nansum(weighted)), stats.WEALTH_CAP)
-                self.stops[int(self.runs[row])] = Stop(t, value, max(change - 1, 0), self.names[int(np.argmax(gained))])
+                self.stops[int(self.runs[row])] = Stop(t, value, suspect_from(by_checkpoint), self.names[int(np.argmax(gained))])
             keep = ~crossed
             self.runs, self.s, self.off = self.runs[keep], self.s[keep], self.off[keep]
             self.ckpt, self.log_a = self.ckpt[keep], self.log_a[keep]

@@ -133,11 +133,11 @@ def moderate(rng: np.random.Generator) -> Observation:
 
 @pytest.mark.parametrize(
     ("draw", "drift", "within"),
-    [(flagged, 200, 5), (flagged, 203, 5), (flagged, 207, 5), (moderate, 201, 30), (moderate, 204, 30), (moderate, 207, 30)],
-    ids=["extreme at 200", "extreme at 203", "extreme at 207", "moderate at 201", "moderate at 204", "moderate at 207"],
+    [(flagged, 600, 5), (flagged, 603, 5), (flagged, 607, 5), (moderate, 601, 30), (moderate, 604, 30), (moderate, 607, 30)],
+    ids=["extreme at 600", "extreme at 603", "extreme at 607", "moderate at 601", "moderate at 604", "moderate at 607"],
 )
 def test_a_drift_is_stopped_soon_and_no_drifted_reply_escapes_quarantine(draw: Draw, drift: int, within: int) -> None:
-    # a moderate drift is won by the component that starts after it: the one-checkpoint lookback must cover it
+    # a moderate drift is won by the component that starts after it: the change set must reach back over it
     rng = np.random.default_rng(drift)
     m = monitor(alpha=0.05 / 24, audited=[below_margin(rng) for _ in range(72)])
     stop = feed_all(m, [below_margin(rng) if i < drift else draw(rng) for i in range(drift + 100)])
@@ -146,7 +146,8 @@ def test_a_drift_is_stopped_soon_and_no_drifted_reply_escapes_quarantine(draw: D
     assert stop.test == ("extreme completions" if draw is flagged else "mean |Δ logprob| above margin")
     assert stop.e_value >= m.threshold
     quarantined_from = stop.suspect_from * m.checkpoint_every
-    assert drift - 2 * m.checkpoint_every < quarantined_from <= drift  # every drifted reply, at most two checkpoints more
+    # every drifted reply, and at most the faithful replies benchmarks/monitor_drift.py measured (≤ 63 of them)
+    assert drift - 8 * m.checkpoint_every <= quarantined_from <= drift
     assert m.checkpoint >= stop.suspect_from  # the records served now are in it
 
 

@@ -18,7 +18,7 @@ import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,10 +93,19 @@ MIGRATIONS: tuple[str, ...] = (
         verification_run_id TEXT NOT NULL,
         dataset TEXT NOT NULL,
         tag TEXT NOT NULL,
+        served INTEGER NOT NULL,
         state TEXT NOT NULL,
         stopped INTEGER NOT NULL DEFAULT 0,
         updated_at REAL NOT NULL,
         PRIMARY KEY (verification_run_id, dataset, tag)
+    );
+    CREATE TABLE monitor_path (
+        verification_run_id TEXT NOT NULL,
+        dataset TEXT NOT NULL,
+        tag TEXT NOT NULL,
+        idx INTEGER NOT NULL,
+        e_value REAL NOT NULL,
+        PRIMARY KEY (verification_run_id, dataset, tag, idx)
     );
     """,
 )
@@ -247,20 +256,52 @@ class Ledger:
             [(dataset, record_id, params_hash, sha, line, now) for record_id, line, sha in lines],
         )
 
-    def op_monitor(self, verification_run_id: str, dataset: str, tag: str, state: dict[str, Any]) -> None:
-        """Save a provider's monitor state (``ProviderMonitor.state()``)."""
-        self.db.execute(
-            """INSERT INTO monitors VALUES (?, ?, ?, ?, ?, ?)
-               ON CONFLICT DO UPDATE SET state=excluded.state, stopped=excluded.stopped, updated_at=excluded.updated_at""",
-            (verification_run_id, dataset, tag, orjson.dumps(state).decode(), state.get("stopped") is not None, time.time()),
-        )
+    def op_monitor(
+        self, verification_run_id: str, dataset: str, tag: str, *, served: int, state: dict[str, Any] | None = None,
+        points: Sequence[tuple[int, float]] = (),
+    ) -> None:  # fmt: skip
+        """Save a provider's monitor: its count of monitored replies, its state when given
+        (``ProviderMonitor.state()``; the path goes to ``monitor_path``, ``points`` at a time)."""
+        key = (verification_run_id, dataset, tag)
+        now = time.time()
+        if state is None:
+            self.db.execute(
+                """INSERT INTO monitors VALUES (?, ?, ?, ?, '{}', 0, ?)
+                   ON CONFLICT DO UPDATE SET served=excluded.served, updated_at=excluded.updated_at""",
+                (*key, served, now),
+            )
+        else:
+            body = orjson.dumps({k: v for k, v in state.items() if k != "path"}).decode()
+            self.db.execute(
+                """INSERT INTO monitors VALUES (?, ?, ?, ?, ?, ?, ?)
+                   ON CONFLICT DO UPDATE SET served=excluded.served, state=excluded.state, stopped=excluded.stopped,
+                                             updated_at=excluded.updated_at""",
+                (*key, served, body, state.get("stopped") is not None, now),
+            )
+        self.db.executemany("INSERT OR REPLACE INTO monitor_path VALUES (?, ?, ?, ?, ?)", [(*key, i, e) for i, e in points])
 
     # -- reads and recovery ---------------------------------------------------------------
 
     def monitor_states(self, verification_run_id: str) -> dict[tuple[str, str], dict[str, Any]]:
-        """(dataset, tag) → saved monitor state, for every dataset of one verification."""
-        rows = self.db.execute("SELECT dataset, tag, state FROM monitors WHERE verification_run_id=?", (verification_run_id,))
-        return {(dataset, tag): json.loads(state) for dataset, tag, state in rows}
+        """(dataset, tag) → saved monitor state with its path, for every dataset of one
+        verification (as ``ProviderMonitor.restore`` takes it; a monitor whose replies were
+        all still being scored has only ``served``, ``stopped`` and an empty path)."""
+        rows = self.db.execute(
+            "SELECT dataset, tag, served, state FROM monitors WHERE verification_run_id=?",
+            (verification_run_id,),
+        )
+        states = {
+            (dataset, tag): {"stopped": None} | json.loads(state) | {"served": served, "path": []}
+            for dataset, tag, served, state in rows
+        }
+        points = self.db.execute(
+            "SELECT dataset, tag, idx, e_value FROM monitor_path WHERE verification_run_id=? ORDER BY idx",
+            (verification_run_id,),
+        )
+        for dataset, tag, index, e_value in points:
+            if (dataset, tag) in states:
+                states[dataset, tag]["path"].append([index, e_value])
+        return states
 
     def done_turns(self, dataset: str, params_hash: str) -> dict[tuple[str, int], dict[str, Any]]:
         """Replies of the finished turns of records not written yet, by (record id, turn):

@@ -20,14 +20,15 @@ detection", 2024), kept a test rather than a detector so its error is a probabil
   Ville's inequality it ever reaches ``1 / α`` with probability ≤ α however long the run.
   Dropping components (to bound memory) only lowers it, so that keeps the bound.
 
-When it crosses, the component carrying the most weighted wealth estimates where the change
-began; every record the provider served from the checkpoint before that one on is suspect.
+When it crosses, the components carrying nearly as much weighted wealth as the best one
+(:data:`CHANGE_SET_RATIO`) say where the change may have begun; every record the provider
+served from the checkpoint before the earliest of them on is suspect.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,14 +38,30 @@ from quanthunt import stats
 from quanthunt.decision import Bet, Observations, sequential_tests
 from quanthunt.params import Margins
 
-MAX_COMPONENTS = 48
+MAX_COMPONENTS = 16
 """Change-point components kept per provider; beyond it the one with the least weighted
-wealth is dropped (valid: it only lowers the statistic)."""
+wealth is dropped (valid: it only lowers the statistic), never component 0 (the audit's
+continuation) nor the newest."""
 
 
 def weight(checkpoint: int) -> float:
     """The prior weight of a change at ``checkpoint`` (0: before or during the audit)."""
     return 1.0 / ((checkpoint + 1) * (checkpoint + 2))
+
+
+CHANGE_SET_RATIO = 1000.0
+"""Checkpoints whose component holds at least 1/this of the best one's weighted wealth are
+all taken as where the change may have begun. Measured (``benchmarks/monitor_drift.py``):
+with the best component alone (and one checkpoint back), 8-9 % of 20 % NVFP4 mixtures left
+drifted replies outside the quarantine; at 100, 0.5 %; at 1,000, none in the benchmark's runs,
+for ~50-90 faithful monitored replies quarantined besides."""
+
+
+def suspect_from(weighted: Mapping[int, float]) -> int:
+    """The first suspect checkpoint, from each component's weighted wealth ``w_j K_j`` at the
+    stop: one before the earliest within :data:`CHANGE_SET_RATIO` of the best."""
+    best = max(weighted.values())
+    return max(min(j for j, w in weighted.items() if w * CHANGE_SET_RATIO >= best) - 1, 0)
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,7 @@ class ProviderMonitor:
     bet_names: list[str] = field(init=False)
     """Each bet's test (a two-sided test has two bets)."""
     _bet_weights: np.ndarray = field(init=False)
+    _e_value: float = field(init=False, default=1.0)
 
     def __post_init__(self) -> None:
         bets = self._bets(Observation(0.0 if self.mode == "logprob" else None, 0.0))
@@ -101,6 +119,7 @@ class ProviderMonitor:
         self._bet_weights = np.array([w for _, _, w in bets])
         if not self.components:
             self.components[0] = self._zeros()
+        self._refresh()
 
     def _zeros(self) -> np.ndarray:
         return np.zeros((len(self.bet_names), len(stats.BET_FRACTIONS)))
@@ -113,6 +132,7 @@ class ProviderMonitor:
         monitor = cls(tag, mode, sampler, margin, 1.0 / alpha, checkpoint_every)
         for observation in audited:
             monitor.components[0] += monitor._log_factors(observation)
+        monitor._refresh()
         return monitor
 
     @property
@@ -151,8 +171,13 @@ class ProviderMonitor:
 
     @property
     def e_value(self) -> float:
-        """The statistic ``Σ_j w_j K_j`` now."""
-        return min(sum(weight(j) * self.wealth(j) for j in self.components), stats.WEALTH_CAP)
+        """The statistic ``Σ_j w_j K_j`` now (kept up to date by every change: records'
+        provenance reads it on the hot path)."""
+        return self._e_value
+
+    def _refresh(self) -> float:
+        self._e_value = min(sum(weight(j) * self.wealth(j) for j in self.components), stats.WEALTH_CAP)
+        return self._e_value
 
     def feed(self, index: int, observation: Observation | None) -> Stop | None:
         """Apply the observation of monitored reply ``index`` (None: it could not be scored)
@@ -176,7 +201,7 @@ class ProviderMonitor:
         for j in self.components:
             self.components[j] = self.components[j] + factors
         self._prune()
-        e_value = self.e_value
+        e_value = self._refresh()
         self.path.append((index, e_value))
         if e_value >= self.threshold:
             self.stopped = self._stop(index, e_value)
@@ -184,34 +209,41 @@ class ProviderMonitor:
     def _prune(self) -> None:
         while len(self.components) > MAX_COMPONENTS:
             newest = max(self.components)
-            weakest = min((j for j in self.components if j != newest), key=lambda j: weight(j) * self.wealth(j))
+            kept = (0, newest)  # the audit's continuation and the latest start always stay
+            weakest = min((j for j in self.components if j not in kept), key=lambda j: weight(j) * self.wealth(j))
             del self.components[weakest]
 
     def _stop(self, index: int, e_value: float) -> Stop:
-        change = max(self.components, key=lambda j: weight(j) * self.wealth(j))
-        gained = self.components[change].max(axis=1)
-        test = self.bet_names[int(np.argmax(gained))]
-        return Stop(at=index, e_value=e_value, suspect_from=max(change - 1, 0), test=test)
+        weighted = {j: weight(j) * self.wealth(j) for j in self.components}
+        best = max(weighted, key=weighted.__getitem__)
+        test = self.bet_names[int(np.argmax(self.components[best].max(axis=1)))]
+        return Stop(at=index, e_value=e_value, suspect_from=suspect_from(weighted), test=test)
 
     # -- persistence (the ledger's ``monitors`` table holds this as JSON) ------------------
 
-    def state(self) -> dict[str, Any]:
-        """What a resumed run needs: counters, components, the path and the stop."""
-        return {
+    def state(self, *, with_path: bool = True) -> dict[str, Any]:
+        """What a resumed run needs: counters, components, the stop and (unless the caller
+        keeps it apart, as the ledger does) the path."""
+        state = {
             "served": self.served,
             "fed": self.fed,
             "threshold": self.threshold,
             "components": {str(j): w.round(12).tolist() for j, w in self.components.items()},
-            "path": [[i, round(e, 9)] for i, e in self.path],
             "stopped": None if self.stopped is None else self.stopped.__dict__,
         }
+        if with_path:
+            state["path"] = [[i, e] for i, e in self.path]
+        return state
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from ``state``. Replies that were monitored but not yet scored when the
-        earlier run ended are lost: their indices count as unscored (the order stays)."""
+        earlier run ended are lost: their indices count as unscored (the order stays).
+        A state with only ``served`` (nothing applied yet) keeps the start's components."""
         self.served = int(state["served"])
         self.fed = self.served
-        self.components = {int(j): np.array(w, dtype=np.float64) for j, w in state["components"].items()}
-        self.path = [(int(i), float(e)) for i, e in state["path"]]
+        if "components" in state:  # else no observation was applied yet: the start's components stand
+            self.components = {int(j): np.array(w, dtype=np.float64) for j, w in state["components"].items()}
+        self.path = [(int(i), float(e)) for i, e in state.get("path", [])]
         self.stopped = None if state["stopped"] is None else Stop(**state["stopped"])
         self._pending.clear()
+        self._refresh()

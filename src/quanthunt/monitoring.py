@@ -8,6 +8,7 @@ The statistics are :mod:`quanthunt.monitor`'s; this module is the I/O around the
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -129,6 +130,7 @@ class Monitoring:
         self.events: list[Event] = []
         self._gate = asyncio.Semaphore(settings.concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._saved_points = {tag: len(m.path) for tag, m in self.monitors.items()}
 
     def stopped(self) -> dict[str, Stop]:
         return {tag: m.stopped for tag, m in self.monitors.items() if m.stopped is not None}
@@ -163,7 +165,7 @@ class Monitoring:
         monitor = self.monitors[tag]
         index = monitor.next_index()
         self.counts["monitored"] += 1
-        self._save(monitor)
+        self.writer.submit(functools.partial(self.ledger.op_monitor, *self._key(monitor), served=monitor.served))
         label = f"{key.dataset}/{key.record_id}/{key.turn}"  # seeds the rank z's jitter
         task = asyncio.ensure_future(self._score(monitor, index, label, messages, reply))
         self._tasks.add(task)
@@ -208,9 +210,16 @@ class Monitoring:
         text = await self.scorer.text(prompt, ids, errors, probe_id=label, index=0, source="provider", seq=0)
         return Observation(None, text.rank_z) if text.tokens else None
 
+    def _key(self, monitor: ProviderMonitor) -> tuple[str, str, str]:
+        return self.verification_run_id, self.dataset, monitor.tag
+
     def _save(self, monitor: ProviderMonitor) -> None:
-        state = monitor.state()
-        self.writer.submit(lambda: self.ledger.op_monitor(self.verification_run_id, self.dataset, monitor.tag, state))
+        """The state after each applied observation (a few kB) and the path's new points,
+        so a kill -9 loses at most the replies still being scored."""
+        points = monitor.path[self._saved_points.get(monitor.tag, 0) :]
+        self._saved_points[monitor.tag] = len(monitor.path)
+        self.writer.submit(functools.partial(self.ledger.op_monitor, *self._key(monitor), served=monitor.served,
+                                             state=monitor.state(with_path=False), points=points))  # fmt: skip
 
     def summary(self) -> dict[str, Any]:
         """Each provider's monitor now, and what the monitor did (the stage's metrics)."""

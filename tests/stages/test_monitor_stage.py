@@ -28,9 +28,9 @@ from quanthunt.sandbox.server import SandboxProcess
 RECORDS = 64
 DRIFT_AFTER = 10
 """beta's requests before it drifts: 30 % of the ~32 it gets (prices are equal)."""
-PREDICTED_REPLIES = 8
-"""Monitored replies from a drift to NVFP4 to the stop: ``benchmarks/monitor_drift.py``'s
-p99 at ``checkpoint_every`` 4 (the stop needs the checkpoint after the drift, then ~2)."""
+PREDICTED_REPLIES = 5
+"""Monitored replies from a drift to NVFP4 to the stop, the drifted one included:
+``benchmarks/monitor_drift.py``'s p99 (and max) at the default monitor."""
 
 
 @dataclass
@@ -62,7 +62,7 @@ def drift_bed(project: Project, tmp_path: Path) -> Iterator[Callable[..., DriftB
         settings: dict[str, Any] = {
             "api.base_url": sandbox.api_url, "reference.base_url": sandbox.reference_url, "datasets": ["tiny"],
             "generate.max_records": None, "generate.concurrency": concurrency, "generate.sampling.max_tokens": 24,
-            "generate.monitor.share": 1.0, "generate.monitor.checkpoint_every": 4, "generate.progress_interval_s": 1,
+            "generate.monitor.share": 1.0, "generate.progress_interval_s": 1,
         }  # fmt: skip
         for key, value in settings.items():
             project.set_param(key, value)
@@ -90,7 +90,7 @@ def test_a_drifting_provider_is_stopped_and_its_drifted_records_never_exported(d
     assert stop is not None
     # beta's replies are all monitored (share 1): the drift is at its reply DRIFT_AFTER
     assert DRIFT_AFTER <= stop["at"] < DRIFT_AFTER + PREDICTED_REPLIES
-    assert stop["suspect_from"] * 4 <= DRIFT_AFTER
+    assert stop["suspect_from"] * 8 <= DRIFT_AFTER
 
     checked = bed.project.run("validate", "tiny", "--params", "params.yaml", timeout=300)
     assert checked.returncode == 0, checked.stdout + checked.stderr
