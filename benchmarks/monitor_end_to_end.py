@@ -6,8 +6,9 @@ since the sandbox started) with its own roster seed and sampling seed: ``quanthu
 verdicts written for the three providers (the verify stage is measured in
 ``verify_power.py``; here every provider is taken as verified, with no audit to continue),
 ``quanthunt generate`` with every reply monitored (``generate.monitor.share: 1``: a
-90-record dataset gives the drifted provider ~20 monitored replies after its drift; at the
-default share of 0.05 the same number takes ~20x the requests), then ``quanthunt validate``.
+60-record dataset gives the drifted provider ~14 monitored replies after its drift; at the
+default share of 0.05 the same number takes ~20x the requests; 32-token answers, 8 requests in
+flight), then ``quanthunt validate``.
 
 Per run it reads the sandbox's hidden truth (which generation ids were served drifted) and
 reports: where the drifted provider's monitor stopped it (in its monitored replies, against
@@ -15,7 +16,7 @@ the drift), how many replies it served before routing stopped, whether any drift
 reached ``data/final``, how many records were quarantined, and whether a faithful provider
 was ever stopped.
 
-Usage: ``.venv/bin/python benchmarks/monitor_end_to_end.py --runs 20`` (~1-1.5 minutes a run
+Usage: ``.venv/bin/python benchmarks/monitor_end_to_end.py --runs 20`` (~1.5 minutes a run
 on 2 cores).
 """
 
@@ -36,14 +37,16 @@ from typing import Any
 import httpx
 import yaml
 
+from quanthunt.prompts import iter_prompts
 from quanthunt.sandbox.server import SandboxProcess
 from quanthunt.verdicts import ProviderVerdict, Verdicts
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SANDBOX_KEY = "sk-quanthunt-sandbox"
-DATASETS = ("chat", "code", "math")
-"""Single-turn records of the shipped datasets, 90 together, as one dataset."""
+DATASETS = ("chat", "code")
+"""Single-turn records of the shipped datasets, 60 together, as one dataset."""
+MAX_TOKENS = 32
 SHARE_BEFORE_DRIFT = 0.3
 
 
@@ -64,10 +67,10 @@ def verdict(entry: dict[str, Any]) -> ProviderVerdict:
 def prompts(target: Path) -> int:
     lines = []
     for name in DATASETS:
-        for line in (ROOT / "data/prompts" / f"{name}.jsonl").read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
-            if sum(m["role"] == "user" for m in record["messages"]) == 1:
-                lines.append(line)
+        for record in iter_prompts(ROOT / "data/prompts" / f"{name}.jsonl"):
+            turns = [{"role": t.role, "content": t.content} for t in record.conversations if t.role != "assistant"]
+            if sum(t["role"] == "user" for t in turns) == 1:
+                lines.append(json.dumps({"id": record.id, "messages": turns}))
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return len(lines)
@@ -101,6 +104,7 @@ def run_once(seed: int, work: Path) -> dict[str, Any]:
         g["max_records"] = None
         g["concurrency"] = 8
         g["sampling"]["seed"] = seed
+        g["sampling"]["max_tokens"] = MAX_TOKENS
         g["monitor"]["share"] = 1.0
         (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
 

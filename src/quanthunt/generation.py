@@ -588,7 +588,9 @@ class Engine:
             await self.cooldown.wait()
             if self._stop.is_set():
                 return None
-            endpoint = self.rng.choices(self._active, weights=[p.weight for p in self._active])[0]
+            endpoint = await self._endpoint()
+            if endpoint is None:
+                return None
             monitored = self.monitoring is not None and self.monitoring.wants(key, endpoint.tag)
             logprobs = monitored and self.monitoring is not None and self.monitoring.asks_logprobs(endpoint.tag)
             body = chat_body(
@@ -629,6 +631,21 @@ class Engine:
                 worst += (larger - max_tokens) * job.worst_completion_rate
                 max_tokens = larger
         return None
+
+    async def _endpoint(self) -> Eligible | None:
+        """An active endpoint, drawn by weight among those whose monitor is not behind
+        (waiting while every one is); None when the run stops meanwhile."""
+        waited = False
+        while True:
+            ready = [p for p in self._active if self.monitoring is None or not self.monitoring.lagging(p.tag)]
+            if ready:
+                return self.rng.choices(ready, weights=[p.weight for p in ready])[0]
+            if self._stop.is_set() or not self._active:
+                return None
+            if not waited and self.monitoring is not None:
+                self.monitoring.counts["requests_waited_for_scores"] += 1
+                waited = True
+            await asyncio.sleep(0.05)
 
     async def _failed(self, key: RequestKey, attempt_id: int, worst: float, error: GatewayError) -> str:
         kind = error.kind

@@ -126,7 +126,7 @@ class Monitoring:
         self.on_stop: Callable[[Event], None] = lambda _: None
         """What stops routing to the provider (the engine sets it)."""
         self.counts: Counter[str] = Counter()
-        """monitored, scored, unscored, unmonitored_backlog, per-provider ``scored.<tag>``."""
+        """monitored, scored, unscored and ``unscored.<why>``."""
         self.events: list[Event] = []
         self._gate = asyncio.Semaphore(settings.concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -137,17 +137,18 @@ class Monitoring:
 
     def wants(self, key: RequestKey, tag: str) -> bool:
         """Whether this request is monitored: a stable hash of its key below ``share`` (the
-        same requests in every rerun), its provider monitored, and the backlog not full."""
+        same requests in every rerun) and its provider monitored."""
         monitor = self.monitors.get(tag)
         if monitor is None or not monitor.monitored or monitor.stopped is not None:
             return False
         digest = hashlib.sha256(f"monitor:{key.record_id}:{key.turn}:{key.params_hash}".encode()).digest()
-        if int.from_bytes(digest[:8], "big") / 2**64 >= self.settings.share:
-            return False
-        if len(self._tasks) >= self.settings.max_backlog:
-            self.counts["unmonitored_backlog"] += 1
-            return False
-        return True
+        return int.from_bytes(digest[:8], "big") / 2**64 < self.settings.share
+
+    def lagging(self, tag: str) -> bool:
+        """Whether the provider has ``max_unscored`` monitored replies still being scored (it
+        gets no new requests until the reference catches up)."""
+        monitor = self.monitors.get(tag)
+        return monitor is not None and monitor.served - monitor.fed >= self.settings.max_unscored
 
     def asks_logprobs(self, tag: str) -> bool:
         return self.monitors[tag].mode == "logprob"

@@ -341,9 +341,10 @@ class Monitor(_Section):
     estimated change are quarantined."""
     concurrency: int = Field(default=4, ge=1, le=256)
     """Scorings in flight at the reference."""
-    max_backlog: int = Field(default=256, ge=1)
-    """Monitored replies waiting to be scored; beyond it requests go unmonitored (counted)
-    rather than wait: the reference never holds up generation."""
+    max_unscored: int = Field(default=8, ge=1)
+    """Monitored replies of one provider still waiting for their score: beyond it the
+    provider gets no new requests (the others take them) until the reference catches up,
+    so what a provider serves unvetted stays bounded however slow the reference."""
 
 
 class Generate(_Section):

@@ -91,6 +91,8 @@ def test_a_drifting_provider_is_stopped_and_its_drifted_records_never_exported(d
     # beta's replies are all monitored (share 1): the drift is at its reply DRIFT_AFTER
     assert DRIFT_AFTER <= stop["at"] < DRIFT_AFTER + PREDICTED_REPLIES
     assert stop["suspect_from"] * 8 <= DRIFT_AFTER
+    # routing stopped once its score came: at most max_unscored (8) replies awaited scores, 8 more in flight
+    assert bed.summary()["monitor_stops"]["beta/int4"]["replies_before"] <= stop["at"] + 1 + 8 + 8
 
     checked = bed.project.run("validate", "tiny", "--params", "params.yaml", timeout=300)
     assert checked.returncode == 0, checked.stdout + checked.stderr

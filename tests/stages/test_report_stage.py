@@ -17,7 +17,7 @@ from fixtures.generation import GenerationBed
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]  # fmt: skip
-SECTIONS = ("summary", "providers", "verdicts", "shift", "power", "datasets", "cost", "tokens")
+SECTIONS = ("summary", "providers", "verdicts", "shift", "power", "datasets", "monitoring", "cost", "tokens")
 
 
 class Page(HTMLParser):
@@ -25,6 +25,7 @@ class Page(HTMLParser):
         super().__init__()
         self.ids: set[str] = set()
         self.images: list[str] = []
+        self.alts: list[str] = []
         self.external: list[str] = []
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -33,6 +34,7 @@ class Page(HTMLParser):
             self.ids.add(str(values["id"]))
         if tag == "img":
             self.images.append(str(values.get("src", "")))
+            self.alts.append(str(values.get("alt", "")))
         for name in ("src", "href"):
             if values.get(name, "") and str(values[name]).startswith(("http:", "https:", "//")):
                 self.external.append(str(values[name]))
@@ -40,7 +42,7 @@ class Page(HTMLParser):
 
 @pytest.fixture
 def reported(generation_bed: Callable[..., GenerationBed]) -> GenerationBed:
-    bed = generation_bed(records=10)
+    bed = generation_bed(records=10, params={"generate.monitor.share": 1.0})  # every reply monitored: a plot to draw
     assert bed.generate().returncode == 0
     assert bed.project.run("validate", "tiny", "--params", "params.yaml").returncode == 0
     done = bed.project.run("report", "--params", "params.yaml")
@@ -52,7 +54,8 @@ def test_page_is_self_contained_with_every_section(reported: GenerationBed) -> N
     page = Page()
     page.feed((reported.project.root / "reports/index.html").read_text())
     assert set(SECTIONS) <= page.ids
-    assert len(page.images) >= 4 and all(src.startswith("data:image/png;base64,") for src in page.images)
+    assert len(page.images) >= 5 and all(src.startswith("data:image/png;base64,") for src in page.images)
+    assert any("monitors of tiny" in alt for alt in page.alts)
     assert page.external == []
     with (reported.project.root / "reports/plots/cost.csv").open() as fh:
         rows = list(csv.DictReader(fh))
