@@ -47,6 +47,10 @@ SANDBOX_KEY = "sk-quanthunt-sandbox"
 DATASETS = ("chat", "code")
 """Single-turn records of the shipped datasets, 60 together, as one dataset."""
 MAX_TOKENS = 32
+MAX_UNSCORED = 2
+"""The sandbox's reference shares the 2 cores with generation and falls behind it; with the
+default 8 the drifted provider's whole share of this short dataset is served before its
+scores come (the bound is what it may serve unvetted: delay + max_unscored + in flight)."""
 SHARE_BEFORE_DRIFT = 0.3
 
 
@@ -106,6 +110,7 @@ def run_once(seed: int, work: Path) -> dict[str, Any]:
         g["sampling"]["seed"] = seed
         g["sampling"]["max_tokens"] = MAX_TOKENS
         g["monitor"]["share"] = 1.0
+        g["monitor"]["max_unscored"] = MAX_UNSCORED
         (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
 
         def quanthunt(*args: str) -> subprocess.CompletedProcess[str]:

@@ -87,6 +87,26 @@ def test_partial_utf8_pieces_pair_and_an_identical_provider_has_zero_kl() -> Non
     assert paired.kls == pytest.approx([0.0, 0.0], abs=1e-12)
 
 
+def test_a_character_sampled_byte_by_byte_ends_the_pairing() -> None:
+    """The provider sampled " ê" as two byte pieces; the reference re-tokenizes the text with
+    the whole character (one token). Pairing the first piece with " ê" would shift every later
+    position by one and compare unrelated logprobs (measured: a faithful provider's reply
+    came out extreme). It stops there instead."""
+    scored = Scored(
+        token_ids=[0, 2, 8, 5],
+        positions=[
+            None,
+            position(2, -0.5, {" there": -0.5}, NAMES),
+            position(8, -0.2, {" ê": -0.2}, NAMES),
+            position(5, -0.3, {"!": -0.3}, NAMES),
+        ],
+    )
+    provider = [token(" there", -0.5), token("\ufffd", -4.0, {"\ufffd": -4.0}), token("\ufffd", -0.01, {"\ufffd": -0.01}),
+                token("!", -0.3)]  # fmt: skip
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=1)
+    assert paired.aligned == 1 and paired.deltas == [0.0]
+
+
 def test_a_chat_list_of_k_minus_one_is_compared_at_the_same_depth() -> None:
     """vLLM's chat lists the sampled token first and only the top k−1 when the sampled token
     is outside the top k; its echo lists the top k plus the scored token. Compared at the same

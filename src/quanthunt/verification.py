@@ -221,9 +221,13 @@ def rank_z(positions: Sequence[Position], *, listed: int, seed: str) -> float:
 
 def names_pair(provider: str, reference: str) -> bool:
     """Whether a provider's token and the reference's re-tokenization agree at a position:
-    the same decoded text, or a partial UTF-8 piece on either side (its text is empty)."""
+    the same decoded text, or a reference name that is a partial UTF-8 piece (or that the
+    server left unnamed: both read ``PARTIAL``). A provider's partial piece where the
+    reference has a whole character is not the same token: the provider sampled the
+    character byte by byte, which re-tokenizes as one token, and pairing on would compare
+    every later position with the wrong one (a faithful provider once looked extreme so)."""
     provider, reference = canonical_name(provider), canonical_name(reference)
-    return provider == reference or PARTIAL in (provider, reference)
+    return provider == reference or reference == PARTIAL
 
 
 def compare_logprobs(
