@@ -227,7 +227,7 @@ def names_pair(provider: str, reference: str) -> bool:
     character byte by byte, which re-tokenizes as one token, and pairing on would compare
     every later position with the wrong one (a faithful provider once looked extreme so)."""
     provider, reference = canonical_name(provider), canonical_name(reference)
-    return provider == reference or reference == PARTIAL
+    return reference in (provider, PARTIAL)
 
 
 def compare_logprobs(
