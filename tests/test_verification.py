@@ -107,6 +107,22 @@ def test_a_character_sampled_byte_by_byte_ends_the_pairing() -> None:
     assert paired.aligned == 1 and paired.deltas == [0.0]
 
 
+def test_a_whole_token_against_a_reference_piece_is_paired_only_if_the_text_comes_back_in_step() -> None:
+    """Measured on the sandbox: the provider sampled " " then "¾"; the reference re-tokenized
+    " ¾" as a piece (space and the first byte) and the rest. The piece paired with " " (Δ 12)
+    and the mean |Δ| of a faithful reply came out 0.81, extreme. The text named so far no
+    longer agrees after that pair, so it is dropped."""
+    names = {1: " a", 2: "", 3: " ¾", 4: "-"}
+    scored = Scored(
+        token_ids=[0, 1, 2, 3, 4],
+        positions=[None, position(1, -1.0, {" a": -1.0}, names), position(2, -14.4, {"": -14.4}, names),
+                   position(3, -11.0, {" ¾": -11.0}, names), position(4, -7.3, {"-": -7.3}, names)],
+    )  # fmt: skip
+    provider = [token(" a", -1.0), token(" ", -2.3), token("¾", -4.8), token("-", -0.7)]
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=1)
+    assert paired.aligned == 1 and paired.deltas == [0.0]
+
+
 def test_a_chat_list_of_k_minus_one_is_compared_at_the_same_depth() -> None:
     """vLLM's chat lists the sampled token first and only the top k−1 when the sampled token
     is outside the top k; its echo lists the top k plus the scored token. Compared at the same

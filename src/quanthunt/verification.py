@@ -220,21 +220,22 @@ def rank_z(positions: Sequence[Position], *, listed: int, seed: str) -> float:
 
 
 def names_pair(provider: str, reference: str) -> bool:
-    """Whether a provider's token and the reference's re-tokenization agree at a position:
-    the same decoded text, or a reference name that is a partial UTF-8 piece (or that the
-    server left unnamed: both read ``PARTIAL``). A provider's partial piece where the
-    reference has a whole character is not the same token: the provider sampled the
-    character byte by byte, which re-tokenizes as one token, and pairing on would compare
-    every later position with the wrong one (a faithful provider once looked extreme so)."""
+    """Whether a provider's token and the reference's re-tokenization may be the same token
+    at a position: the same decoded text, or a partial UTF-8 piece on either side (its text
+    is empty). ``compare_logprobs`` then checks the text both sides have named agrees."""
     provider, reference = canonical_name(provider), canonical_name(reference)
-    return reference in (provider, PARTIAL)
+    return provider == reference or PARTIAL in (provider, reference)
 
 
 def compare_logprobs(
     probe_id: str, index: int, provider: Sequence[TokenLogprob], scored: Scored, prompt_len: int, *, listed: int, seq: int = 0
 ) -> LogprobCompletion:
     """Pair the provider's tokens with the reference's teacher-forced scores, position by
-    position, up to the first position where the two tokenizations disagree.
+    position, up to the first position where the two tokenizations disagree. A partial
+    UTF-8 piece pairs with anything, but only pairs up to the last position where both
+    sides had named the same text count: a provider that sampled a character in other
+    pieces than the reference's re-tokenization would otherwise be compared position by
+    position with the wrong tokens (measured: a faithful reply came out extreme).
 
     Per position both sides list the sampled token and the same number of alternatives
     besides it (vLLM's chat lists only the top k−1 when the sampled token is outside the
@@ -244,10 +245,18 @@ def compare_logprobs(
     kls: list[float] = []
     agree: list[bool] = []
     paired: list[Position] = []
+    said = heard = ""  # the text the provider's and the reference's tokens have named so far
+    synced = 0  # pairs up to the last position both sides named whole, with the same text
     for token, position in zip(provider, scored.positions[prompt_len:], strict=False):
         names = position.names if position is not None else None
         if position is None or names is None or not names_pair(token.token, names[position.key]):
             break
+        said += canonical_name(token.token)
+        heard += canonical_name(names[position.key])
+        if PARTIAL not in (canonical_name(token.token), canonical_name(names[position.key])):
+            if said != heard:  # a piece paired with a whole token: the tokenizations parted before here
+                break
+            synced = len(deltas) + 1
         deltas.append(token.logprob - position.logprob)
         paired.append(position)
         shown = [(t.token, t.logprob) for t in token.top_logprobs]
@@ -260,6 +269,8 @@ def compare_logprobs(
         )
         kls.append(stats.kl_topk_with_tail(reference_top, provider_top))
         agree.append(max(provider_top, key=provider_top.__getitem__) == max(reference_top, key=reference_top.__getitem__))
+    if said != heard or len(deltas) > synced:  # pieces at the end that never came back in step
+        del deltas[synced:], kls[synced:], agree[synced:], paired[synced:]
     z = rank_z(paired, listed=listed, seed=f"{probe_id}:{index}:provider:{[p.token_id for p in paired]}")
     return LogprobCompletion(probe_id, index, len(provider), len(deltas), deltas, kls, agree, z, seq)
 
