@@ -178,12 +178,13 @@ def main() -> None:
               f"{','.join(row['faithful_stopped']) or 'none':>16}  {row['seconds']:>10}", flush=True)  # fmt: skip
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
-    stopped = [r for r in rows if r["stop_at"] is not None]
+    early = [r["seed"] for r in rows if r["stop_at"] is not None and r["stop_at"] < r["drift_after"]]
+    stopped = [r for r in rows if r["stop_at"] is not None and r["seed"] not in early]
     delays = [r["stop_at"] - r["drift_after"] + 1 for r in stopped]
     lags = [r["beta_replies"] - r["stop_at"] - 1 for r in stopped]
     print()
     print(
-        f"runs {len(rows)}; drifted provider stopped in {len(stopped)}; monitored replies from the drift to the stop "
+        f"runs {len(rows)}; drifted provider stopped after its drift in {len(stopped)}; monitored replies, drift to stop "
         f"(the drifted one included): median {statistics.median(delays) if delays else '-'}, max {max(delays, default='-')}"
     )
     print(
@@ -194,6 +195,7 @@ def main() -> None:
         f"replies the drifted provider served after the stop (in flight, or sent while its last monitored replies "
         f"waited to be scored): median {statistics.median(lags) if lags else '-'}, max {max(lags, default='-')}"
     )
+    print(f"drifting provider stopped before its drift (a false stop: it was faithful then): runs {early}")
     print(f"runs not exiting 0/0: {[r['seed'] for r in rows if r['exit'] != (0, 0)]}")
 
 
