@@ -19,8 +19,9 @@ from quanthunt.gateway import ChatReply, TokenLogprob
 from quanthunt.generation import Eligible, Engine
 from quanthunt.ledger import Ledger
 from quanthunt.monitor import ProviderMonitor
-from quanthunt.monitoring import Monitoring
+from quanthunt.monitoring import Monitoring, monitor_card
 from quanthunt.params import Margins, Monitor, Reasoning
+from quanthunt.report import DatasetView, monitor_section
 from quanthunt.verification import LogprobCompletion
 
 A = Eligible("A", "a/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)
@@ -114,3 +115,18 @@ def test_with_every_provider_stopped_the_run_ends_resumable(tmp_path: Path) -> N
     assert fatal is not None and fatal.exit_code == EXIT_OUT_OF_BUDGET
     assert "stopped by its monitor" in str(fatal) and "rerun verify" in str(fatal)
     assert chat.by_tag["b/int4"] < 60
+
+
+def test_a_monitor_whose_replies_were_never_scored_still_reports(tmp_path: Path) -> None:
+    """A run killed while its only monitored replies were being scored saved just their count."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    with ledger.transaction():
+        ledger.op_monitor("v", "chat", "b/int4", served=3)
+    state = ledger.monitor_states("v")["chat", "b/int4"]
+    card = monitor_card(state)
+    assert card == {"replies": 3, "threshold": None, "e_path": [], "stopped": None}
+    monitor = ProviderMonitor("b/int4", "logprob", False, Margins(), 40.0, 4)
+    monitor.restore(state)
+    assert (monitor.served, monitor.fed, monitor.checkpoint) == (3, 3, 0)
+    page = monitor_section([DatasetView("chat", [], {"providers": [{"tag": "b/int4", "monitor": card}]}, None, None)])
+    assert "b/int4" in page and "<img" not in page

@@ -75,7 +75,8 @@ def monitor_card(state: Mapping[str, Any] | None) -> dict[str, Any] | None:
     after each scored one (``[index, e-value]``, for the report's plot) and any stop."""
     if state is None:
         return None
-    return {"replies": state["served"], "threshold": state["threshold"], "e_path": state["path"], "stopped": state["stopped"]}
+    # "threshold" is missing while no reply was scored yet (only the count was saved)
+    return {"replies": state["served"], "threshold": state.get("threshold"), "e_path": state["path"], "stopped": state["stopped"]}
 
 
 async def check_reference(reference: Reference, verdicts: Verdicts, url: str) -> None:

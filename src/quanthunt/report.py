@@ -133,13 +133,15 @@ def monitor_section(datasets: Sequence[DatasetView]) -> str:
         monitored = {p["tag"]: p["monitor"] for p in card.get("providers", []) if p.get("monitor")}
         paths = {tag: m["e_path"] for tag, m in monitored.items() if m["e_path"]}
         if paths:
-            thresholds = {tag: m["threshold"] for tag, m in monitored.items()}
+            thresholds = {tag: m["threshold"] for tag, m in monitored.items() if m["threshold"] is not None}
             parts.append(_img(figures.monitors(f"{d.name}: monitors", paths, thresholds), f"monitors of {d.name}"))
+        quarantined = card.get("quarantined", {}).get("by_provider", {})
         for tag, m in monitored.items():
             stop = m["stopped"]
-            rows.append([d.name, tag, m["replies"], f"{m['e_path'][-1][1]:.3g}" if m["e_path"] else "",
-                         f"{m['threshold']:.3g}", "no" if stop is None else f"at reply {stop['at']} ({stop['test']})",
-                         card.get("quarantined", {}).get("by_provider", {}).get(tag, 0)])  # fmt: skip
+            e_value = f"{m['e_path'][-1][1]:.3g}" if m["e_path"] else ""
+            threshold = f"{m['threshold']:.3g}" if m["threshold"] is not None else ""
+            stopped = "no" if stop is None else f"at reply {stop['at']} ({stop['test']})"
+            rows.append([d.name, tag, m["replies"], e_value, threshold, stopped, quarantined.get(tag, 0)])
     if not rows:
         return "<p>No monitored generation yet.</p>"
     table = _table(["dataset", "provider", "monitored replies", "e-value", "stops at", "stopped", "records quarantined"], rows)
