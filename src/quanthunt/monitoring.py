@@ -133,9 +133,6 @@ class Monitoring:
         self._tasks: set[asyncio.Task[None]] = set()
         self._saved_points = {tag: len(m.path) for tag, m in self.monitors.items()}
 
-    def stopped(self) -> dict[str, Stop]:
-        return {tag: m.stopped for tag, m in self.monitors.items() if m.stopped is not None}
-
     def wants(self, key: RequestKey, tag: str) -> bool:
         """Whether this request is monitored: a stable hash of its key below ``share`` (the
         same requests in every rerun) and its provider monitored."""
