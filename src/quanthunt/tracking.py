@@ -1,6 +1,11 @@
 """Provenance in MLflow: one run per stage execution, all stages of one ``dvc repro``
 under one parent run, every value scrubbed of secrets before it is written.
 
+A run whose process died without closing it (SIGKILL, a power cut) is ended KILLED by
+the next stage that starts on the same host: every run records its process
+(``quanthunt.process``: host, pid and start time). SIGTERM ends the stage's run KILLED
+before the process dies as it would have.
+
 Tracking URI: ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<repo root>/mlflow.db`` with
 artefacts in ``<repo root>/mlruns``, where the repo root is ``$DVC_ROOT`` (set by DVC)
 or the directory of the params file: never the current directory.
@@ -19,12 +24,14 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -39,6 +46,14 @@ PARAM_VALUE_LIMIT = 6000
 """MLflow cuts param values at 6,000 characters."""
 TEXT_SUFFIXES = {".json", ".csv", ".html", ".txt", ".md", ".yaml", ".yml", ".jsonl", ".log"}
 INVOCATION_TAG = "quanthunt.invocation"
+PROCESS_TAG = "quanthunt.process"
+"""``host:pid:start-time`` of the process that owns a run (start time in clock ticks
+since boot, ``?`` where ``/proc`` is missing): tells a live owner from a dead one."""
+SIGTERM_CLOSE_S = 5.0
+"""How long SIGTERM waits for the store to record the run KILLED before the process dies."""
+STOP_EXIT_CODES = frozenset({130, 143})
+"""Exit codes of a stop by Ctrl-C (130) or SIGTERM (143): a run ending with one is KILLED."""
+STALE_RUN_NOTE = "its process ended without closing the run (killed); ended at the next stage start"
 
 
 def repo_root(params_path: Path) -> Path:
@@ -74,9 +89,44 @@ def git_state(root: Path) -> tuple[str | None, bool]:
     return commit, bool(status)
 
 
+def _start_ticks(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def process_identity(pid: int | None = None) -> str:
+    """``host:pid:start-time`` of ``pid`` (default: this process); unique across pid reuse."""
+    pid = os.getpid() if pid is None else pid
+    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid) or '?'}"
+
+
+def process_gone(identity: str) -> bool:
+    """True when ``identity`` names a process on this host that no longer runs; False when
+    it still runs, runs on another host, or cannot be told."""
+    try:
+        host, pid_text, ticks = identity.rsplit(":", 2)
+        pid = int(pid_text)
+    except ValueError:
+        return False
+    if host != socket.gethostname() or pid <= 0:
+        return False
+    if ticks != "?":
+        return _start_ticks(pid) != ticks
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def pipeline_invocation() -> str | None:
     """An id shared by every stage of one pipeline run: ``$QUANTHUNT_PIPELINE_ID``, else
-    the DVC process this stage runs under (host, pid and start time), else None."""
+    the DVC process this stage runs under (its ``process_identity``), else None."""
     if explicit := os.environ.get("QUANTHUNT_PIPELINE_ID"):
         return explicit
     pid = os.getppid()
@@ -175,7 +225,11 @@ class StageRun:
         run = self.client.get_run(self.run_id)
         created = self.client.create_run(
             run.info.experiment_id,
-            tags={**{k: redact(v) for k, v in (tags or {}).items()}, "mlflow.parentRunId": self.run_id},
+            tags={
+                **{k: redact(v) for k, v in (tags or {}).items()},
+                "mlflow.parentRunId": self.run_id,
+                PROCESS_TAG: process_identity(),
+            },
             run_name=name,
         )
         child = StageRun(self.client, str(created.info.run_id), self.root)
@@ -238,18 +292,75 @@ def _parent_run(client: Any, experiment_id: str, invocation: str, tags: Mapping[
         client.update_run(run_id, status="RUNNING")
         return run_id
     name = "pipeline " + datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
-    run = client.create_run(experiment_id, tags={**tags, INVOCATION_TAG: invocation, "quanthunt.kind": "pipeline"}, run_name=name)
+    parent_tags = {**tags, INVOCATION_TAG: invocation, "quanthunt.kind": "pipeline"}
+    if not os.environ.get("QUANTHUNT_PIPELINE_ID"):
+        parent_tags[PROCESS_TAG] = invocation  # the DVC process: ended KILLED if it dies
+    run = client.create_run(experiment_id, tags=parent_tags, run_name=name)
     return str(run.info.run_id)
+
+
+def end_stale_runs(client: Any, experiment_id: str) -> list[str]:
+    """End KILLED every RUNNING run whose owning process (``quanthunt.process``) on this
+    host is gone; returns their ids. Runs of live processes and other hosts are left alone."""
+    running = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=1000)
+    ended = []
+    for found in running:
+        owner = found.data.tags.get(PROCESS_TAG)
+        if owner and process_gone(owner):
+            run_id = str(found.info.run_id)
+            with contextlib.suppress(Exception):
+                if "quanthunt.error" not in found.data.tags:
+                    client.set_tag(run_id, "quanthunt.error", STALE_RUN_NOTE)
+            client.set_terminated(run_id, status="KILLED")
+            ended.append(run_id)
+    return ended
+
+
+def ended_status(exc: BaseException) -> str:
+    """MLflow's end status for a stage stopped by ``exc``: KILLED for a stop (Ctrl-C,
+    SIGTERM: ``KeyboardInterrupt``, or an exit code 130 or 143, e.g. a graceful stop's own
+    error), FAILED for anything else."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "KILLED"
+    code = exc.code if isinstance(exc, SystemExit) else getattr(exc, "exit_code", None)
+    return "KILLED" if code in STOP_EXIT_CODES else "FAILED"
+
+
+@contextlib.contextmanager
+def _killed_by_sigterm(close: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, SIGTERM first calls ``close`` (given ``SIGTERM_CLOSE_S``), then
+    kills the process as SIGTERM would have. Only where SIGTERM has its default action and
+    in the main thread: a handler installed inside the block (a graceful stop) wins."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def on_sigterm(signum: int, _frame: object) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        closer = threading.Thread(target=close, name="mlflow-close", daemon=True)
+        closer.start()
+        closer.join(SIGTERM_CLOSE_S)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
 def stage_run(stage: str, *, params: BaseModel, section: BaseModel, root: Path, experiment: str) -> Iterator[StageRun]:
     """An MLflow run for one stage execution, nested under the pipeline's parent run.
 
-    On an exception the run ends FAILED with the (redacted) error as a tag.
+    First ends KILLED the runs of processes that died without closing them. On an
+    exception the run ends FAILED with the (redacted) error as a tag, or KILLED for a stop
+    (see ``ended_status``); SIGTERM ends it KILLED before the process dies.
     """
     client = _client(root)
     experiment_id = _experiment_id(client, experiment, root)
+    end_stale_runs(client, experiment_id)
     commit, dirty = git_state(root)
     tags: dict[str, str] = {
         "git.commit": commit or "none",
@@ -258,38 +369,51 @@ def stage_run(stage: str, *, params: BaseModel, section: BaseModel, root: Path, 
     }
     if exp_name := os.environ.get("DVC_EXP_NAME"):
         tags["dvc.exp_name"] = exp_name
-    parent_id = None
-    if invocation := pipeline_invocation():
-        parent_id = _parent_run(client, experiment_id, invocation, tags)
     section_json = section.model_dump(mode="json")
     run_tags = {
         **tags,
         "dvc.stage": os.environ.get("DVC_STAGE") or stage,
         "quanthunt.stage": stage,
         "quanthunt.params_sha256": hashlib.sha256(json.dumps(section_json, sort_keys=True).encode()).hexdigest(),
+        PROCESS_TAG: process_identity(),
     }
-    if parent_id:
-        run_tags["mlflow.parentRunId"] = parent_id
-    run_name = os.environ.get("DVC_STAGE") or stage
-    created = client.create_run(experiment_id, tags={k: redact(v) for k, v in run_tags.items()}, run_name=run_name)
-    run = StageRun(client, str(created.info.run_id), root)
-    status = "FAILED"
-    try:
-        run.log_params(section_json)
-        run.log_dict(params.model_dump(mode="json"), "params.resolved.json")
-        yield run
-        status = "FINISHED"
-    except BaseException as exc:
-        message = str(exc) if isinstance(exc, QuanthuntError) else f"{exc.__class__.__name__}: {exc}"
-        with contextlib.suppress(Exception):
-            run.set_tags({"quanthunt.error": message[:1000]})
-        raise
-    finally:
-        for child in run.children:
-            client.set_terminated(child.run_id, status=status)
-        client.set_terminated(run.run_id, status=status)
-        if parent_id:
-            client.set_terminated(parent_id, status=status)
+    opened: list[StageRun] = []
+    parent_id = None
+
+    def close_killed() -> None:
+        run_ids = [c.run_id for r in opened for c in r.children] + [r.run_id for r in opened]
+        for run_id in [*run_ids, *([parent_id] if parent_id else [])]:
+            with contextlib.suppress(Exception):
+                if run_id != parent_id:
+                    client.set_tag(run_id, "quanthunt.error", "stopped by SIGTERM")
+                client.set_terminated(run_id, status="KILLED")
+
+    with _killed_by_sigterm(close_killed):
+        if invocation := pipeline_invocation():
+            parent_id = _parent_run(client, experiment_id, invocation, tags)
+            run_tags["mlflow.parentRunId"] = parent_id
+        run_name = os.environ.get("DVC_STAGE") or stage
+        created = client.create_run(experiment_id, tags={k: redact(v) for k, v in run_tags.items()}, run_name=run_name)
+        run = StageRun(client, str(created.info.run_id), root)
+        opened.append(run)
+        status = "FAILED"
+        try:
+            run.log_params(section_json)
+            run.log_dict(params.model_dump(mode="json"), "params.resolved.json")
+            yield run
+            status = "FINISHED"
+        except BaseException as exc:
+            status = ended_status(exc)
+            message = str(exc) if isinstance(exc, QuanthuntError) else f"{exc.__class__.__name__}: {exc}"
+            with contextlib.suppress(Exception):
+                run.set_tags({"quanthunt.error": message[:1000]})
+            raise
+        finally:
+            for child in run.children:
+                client.set_terminated(child.run_id, status=status)
+            client.set_terminated(run.run_id, status=status)
+            if parent_id:
+                client.set_terminated(parent_id, status=status)
 
 
 def search_stage_runs(root: Path, experiment: str, *, stage: str | None, last: int) -> list[dict[str, Any]]:

@@ -1,0 +1,72 @@
+"""A stage killed mid-run leaves no MLflow run RUNNING forever: SIGTERM ends its run
+KILLED on the way out, and after SIGKILL the next stage start ends it KILLED."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from typing import Any
+
+from fixtures.project import BIN, Project
+
+
+def start(project: Project, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(BIN / "quanthunt"), *args],
+        cwd=project.root,
+        env=project.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def running_run(project: Project, stage: str, proc: subprocess.Popen[str], *, timeout: float = 120) -> Any:
+    """The stage's MLflow run once it is RUNNING (the stage is then mid-run)."""
+    client = project.mlflow()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        experiment = client.get_experiment_by_name("quanthunt")
+        if experiment is not None:
+            runs = client.search_runs(
+                [experiment.experiment_id],
+                filter_string=f"tags.`quanthunt.stage` = '{stage}' and attributes.status = 'RUNNING'",
+            )
+            if runs:
+                return runs[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no RUNNING {stage} run within {timeout} s")
+
+
+def status(project: Project, run_id: str) -> str:
+    return str(project.mlflow().get_run(run_id).info.status)
+
+
+def test_sigkilled_stage_run_ends_killed_at_the_next_start(project: Project) -> None:
+    proc = start(project, "survey", "--params", "params.yaml")
+    killed = running_run(project, "survey", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert status(project, killed.info.run_id) == "RUNNING"  # nothing can close it on SIGKILL
+
+    done = project.run("survey", "--params", "params.yaml")
+    assert done.returncode == 0, done.stderr
+    run = project.mlflow().get_run(killed.info.run_id)
+    assert run.info.status == "KILLED"
+    assert "killed" in run.data.tags["quanthunt.error"]
+    experiment = project.mlflow().get_experiment_by_name("quanthunt")
+    statuses = sorted(r.info.status for r in project.mlflow().search_runs([experiment.experiment_id]))
+    assert statuses == ["FINISHED", "KILLED"]
+
+
+def test_sigterm_ends_the_stage_run_killed_at_once(project: Project) -> None:
+    proc = start(project, "survey", "--params", "params.yaml")
+    stopped = running_run(project, "survey", proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM  # still dies by SIGTERM, as before
+    run = project.mlflow().get_run(stopped.info.run_id)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["quanthunt.error"] == "stopped by SIGTERM"
