@@ -416,19 +416,42 @@ def stage_run(stage: str, *, params: BaseModel, section: BaseModel, root: Path, 
                 client.set_terminated(parent_id, status=status)
 
 
-def search_stage_runs(root: Path, experiment: str, *, stage: str | None, last: int) -> list[dict[str, Any]]:
-    """The newest ``last`` stage runs (optionally of one stage), as plain dicts."""
+def latest_stage(root: Path, experiment: str) -> str | None:
+    """The stage of the newest stage run, or None when nothing ran yet."""
+    client = _client(root)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    order = ["attributes.start_time DESC"]
+    runs = client.search_runs([found.experiment_id], filter_string="tags.`quanthunt.stage` != ''", order_by=order, max_results=1)
+    return str(runs[0].data.tags["quanthunt.stage"]) if runs else None
+
+
+def _quoted(value: str) -> str:
+    """``value`` as a literal in an MLflow filter string."""
+    if "'" in value:
+        raise QuanthuntError(f"{value!r}: a stage or dataset name has no quotes")
+    return f"'{value}'"
+
+
+def search_stage_runs(
+    root: Path, experiment: str, *, stage: str | None, last: int, dataset: str | None = None
+) -> list[dict[str, Any]]:
+    """The newest ``last`` stage runs (optionally of one stage and one dataset), as plain dicts."""
     client = _client(root)
     found = client.get_experiment_by_name(experiment)
     if found is None:
         return []
-    query = "tags.`quanthunt.stage` != ''" if stage is None else f"tags.`quanthunt.stage` = '{stage}'"
+    query = "tags.`quanthunt.stage` != ''" if stage is None else f"tags.`quanthunt.stage` = {_quoted(stage)}"
+    if dataset is not None:
+        query += f" and tags.`dataset` = {_quoted(dataset)}"
     order = ["attributes.start_time DESC"]
     runs = client.search_runs([found.experiment_id], filter_string=query, order_by=order, max_results=last)
     return [
         {
             "run_id": r.info.run_id,
             "stage": r.data.tags.get("quanthunt.stage", ""),
+            "dataset": r.data.tags.get("dataset", ""),
             "status": r.info.status,
             "started": datetime.fromtimestamp(r.info.start_time / 1000, UTC).isoformat(timespec="seconds"),
             "parent": r.data.tags.get("mlflow.parentRunId", ""),
