@@ -77,7 +77,10 @@ class Paths(_Section):
     verify_plots: str = "reports/verify/plots"
     verify_metrics: str = "reports/verify/metrics.json"
     generated: str = "data/generated"
-    """``<dataset>.jsonl`` per dataset: the regenerated records (persisted, resumable)."""
+    """``<dataset>.jsonl`` per dataset: the regenerated records of the last finished run."""
+    generating: str = "state/generating"
+    """``<dataset>-<params hash>.jsonl``: records as they are generated, one file per
+    sampling params (resumable; copied to ``generated`` when a run finishes)."""
     generate_reports: str = "reports/generate"
     final: str = "data/final"
     """``<dataset>.jsonl`` (SpecForge / EAGLE-3 form) and ``<dataset>.card.json`` per dataset."""
@@ -365,6 +368,9 @@ class Generate(_Section):
     monitor: Monitor = Monitor()
     request_timeout_s: float = Field(default=180.0, gt=0)
     """A request with no complete reply after this long is abandoned (possibly billed) and retried."""
+    stop_grace_s: float = Field(default=30.0, ge=0)
+    """After a first Ctrl-C or SIGTERM, requests in flight get this long to come back (they
+    are paid for either way) before they are cut off; a second Ctrl-C cuts them off at once."""
     progress_interval_s: float = Field(default=10.0, gt=0)
     """Seconds between plain progress lines when the output is not a terminal."""
 

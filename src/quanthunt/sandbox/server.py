@@ -133,6 +133,7 @@ class SandboxProcess:
         self.url = ""
         self._proc: subprocess.Popen[str] | None = None
         self._log: IO[str] | None = None
+        self._log_start = 0
 
     @property
     def api_url(self) -> str:
@@ -161,10 +162,14 @@ class SandboxProcess:
             self.mode,
         ]
         if self.roster is not None:
+            from quanthunt.sandbox.roster import load_roster
+
+            load_roster(self.roster)  # a typo is named here, not in the child's log
             cmd += ["--roster", str(self.roster)]
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = self.log_path.open("a", encoding="utf-8")
+            self._log = self.log_path.open("a+", encoding="utf-8")
+            self._log_start = self._log.tell()
         else:
             self._log = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -176,6 +181,9 @@ class SandboxProcess:
             text=True,
             env=env,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - a single prctl call
+            # Its own session: a Ctrl-C at the terminal reaches the stage, which stops
+            # sending and finishes its in-flight requests before stopping the sandbox.
+            start_new_session=True,
         )
         assert self._proc.stdout is not None
         selector = selectors.DefaultSelector()
@@ -205,11 +213,12 @@ class SandboxProcess:
             self._proc.wait(timeout=2)
         try:
             self._log.flush()
-            self._log.seek(0)
+            self._log.seek(self._log_start)  # this start's lines only (the log file is appended to)
             lines = [line.strip() for line in self._log.read().splitlines() if line.strip()]
         except (OSError, ValueError):
             return ""
-        return lines[-1] if lines else ""
+        errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+        return (errors or lines or [""])[-1]
 
     def kill(self) -> None:
         """SIGKILL the sandbox (fault tests: a gateway that dies mid-run)."""
