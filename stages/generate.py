@@ -3,12 +3,18 @@ providers, resumably, under the run's dollar cap.
 
 ``quanthunt generate DATASET``; DVC runs it once per dataset (a ``foreach`` stage).
 Exit codes: 0 done (or the dataset's token budget reached), 75 out of money (top up and
-rerun), 2 bad input or a gateway that cannot serve the request.
+rerun), 2 bad input or a gateway that cannot be reached or cannot serve the request, 130
+stopped by Ctrl-C or SIGTERM (rerun to resume).
+
+Records are made in a working file per sampling params (``paths.generating``); the DVC
+output (``paths.generated``) is replaced by it only when a run finishes, so a failed or
+interrupted run leaves the last good output and metrics as they were.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -20,7 +26,7 @@ from rich.table import Table
 
 from quanthunt.connection import Targets, open_targets
 from quanthunt.errors import EXIT_OUT_OF_BUDGET, ConfigError
-from quanthunt.gateway import AiohttpChat, Gateway, Routing, resolve_api_key
+from quanthunt.gateway import AiohttpChat, Gateway, GatewayError, Routing, resolve_api_key
 from quanthunt.generation import (
     Eligible,
     Engine,
@@ -30,10 +36,14 @@ from quanthunt.generation import (
     Retry,
     Sampling,
     StopRun,
+    adopt_published,
     params_hash,
     prepare_output,
+    publish,
     reconcile_earlier,
+    working_file,
 )
+from quanthunt.interrupts import EXIT_INTERRUPTED, StopSignals
 from quanthunt.ledger import Ledger, LedgerWriter
 from quanthunt.locking import exclusive
 from quanthunt.monitoring import LOGPROB_TOP, UNLOGGED, Monitoring, check_reference, monitors_for, stopped_providers
@@ -43,7 +53,7 @@ from quanthunt.prompts import count_prompts, iter_prompts
 from quanthunt.reference import Reference
 from quanthunt.survey import read_providers
 from quanthunt.terminal import stage_console
-from quanthunt.tracking import repo_root, stage_run
+from quanthunt.tracking import StageRun, repo_root, stage_run
 from quanthunt.verdicts import Verdicts, load_verdicts
 from quanthunt.verification import Scorer
 
@@ -121,8 +131,8 @@ def status_table(job: Job, p: Progress, spent: float) -> Table:
 
 
 async def run(
-    params: Params, root: Path, dataset: str, targets: Targets, console: Console
-) -> tuple[Job, Progress, Engine, dict[str, int]]:
+    params: Params, root: Path, dataset: str, targets: Targets, console: Console, *, total: int
+) -> tuple[Job, Engine, StopSignals, dict[str, int]]:
     paths, g = params.paths, params.generate
     ledger = Ledger(root / paths.ledger)
     providers, verdicts = eligible_providers(params, root)
@@ -155,7 +165,8 @@ async def run(
         reasoning=params.reasoning.request(),
     )
     prompts = paths.prompt_file(root, dataset)
-    output = root / paths.generated / f"{dataset}.jsonl"
+    output = working_file(root / paths.generating, dataset, params_hash)
+    adopt_published(root / paths.generated / f"{dataset}.jsonl", output, params_hash)
     recovered = ledger.recover(dataset)
     repair = prepare_output(output, ledger, dataset, params_hash)
     if repair.truncated_bytes or repair.adopted or repair.restored or recovered:
@@ -170,7 +181,6 @@ async def run(
             f"[yellow]warning: {len(repair.edited)} records in {output} differ from the ledger (e.g. {example}); "
             "validation will name them[/]"
         )
-    total = count_prompts(prompts, limit=g.max_records)  # every record checked, before any request
     writer = LedgerWriter(ledger)
     writer.start()
     sink = RecordSink(output, ledger, writer, dataset, params_hash)
@@ -182,6 +192,7 @@ async def run(
             Gateway(targets.api_url, api_key=api_key) as gateway,
             Reference(targets.reference_url, model=params.reference.model) as reference,
         ):
+            await check_gateway(gateway, targets.api_url)
             monitoring = None
             if g.monitor.share > 0 and any(m.monitored for m in monitors.values()):
                 await check_reference(reference, verdicts, targets.reference_url)
@@ -201,19 +212,38 @@ async def run(
             engine.progress.output_tokens_before = ledger.output_tokens(dataset, params_hash)
             records = limited(prompts, g.max_records, repair.done_ids)
             display = asyncio.ensure_future(show_progress(engine, job, console, g.progress_interval_s))
+            work = asyncio.ensure_future(engine.run(records))
             try:
-                await engine.run(records)
-                if monitoring is not None:
-                    await monitoring.close()
+                with StopSignals(work, grace_s=g.stop_grace_s, on_first=engine.stop) as signals:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await work
+                    if signals.received:
+                        ended = "were cut off" if signals.cut_short else "finished"
+                        console.print(f"[yellow]{signals.reason}: sent nothing more; the requests in flight {ended}[/]")
+                    if work.cancelled() and not signals.cut_short:
+                        raise asyncio.CancelledError
+                    if monitoring is not None and not signals.cut_short:
+                        await monitoring.close()
             finally:
                 display.cancel()
-            await engine.reconcile(gateway.generation)
+            if not signals.cut_short:
+                await engine.reconcile(gateway.generation)
     finally:
         await sink.close()
         await writer.close()
     counts = ledger.state_counts(dataset)
     ledger.close()
-    return job, engine.progress, engine, counts
+    return job, engine, signals, counts
+
+
+async def check_gateway(gateway: Gateway, url: str) -> None:
+    """One cheap read before any money moves: an unreachable gateway is a fast, clear exit 2."""
+    try:
+        await gateway.key()
+    except GatewayError as error:
+        if error.kind in ("connect", "timeout"):
+            raise ConfigError(f"api.base_url: cannot reach the gateway at {url} ({error})") from None
+        raise
 
 
 async def show_progress(engine: Engine, job: Job, console: Console, interval_s: float) -> None:
@@ -243,86 +273,113 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
     if not prompts.exists():
         raise ConfigError(f"{prompts}: prompt dataset not found")
     with exclusive(root / paths.locks / f"{dataset}.lock", what=f"quanthunt generate {dataset}"):
-        eligible_providers(params, root)  # fail fast, before starting a sandbox
-        section = params.generate
+        # Inputs first, before a sandbox starts or a request is sent.
+        eligible_providers(params, root)
+        total = count_prompts(prompts, limit=params.generate.max_records)  # every record checked
         with stage_run(
-            "generate", params=params, section=section, root=root, experiment=params.tracking.experiment
+            "generate", params=params, section=params.generate, root=root, experiment=params.tracking.experiment
         ) as mlflow_run:
+            mlflow_run.log_input(prompts, context="prompts")
+            mlflow_run.log_input(root / paths.verdicts, context="verdicts")
             with open_targets(params, root=root, stage=f"generate-{dataset}", needs_model=True) as targets:
-                job, progress, engine, counts = asyncio.run(run(params, root, dataset, targets, console))
-            output = root / paths.generated / f"{dataset}.jsonl"
-            done = progress.records_done_before + progress.records_done
-            budget = engine.budget
-            summary = {
-                "dataset": dataset,
-                "records_total": progress.records_total,
-                "records_done": done,
-                "records_new": progress.records_done,
-                "records_failed": progress.records_failed,
-                "records_skipped": progress.records_skipped,
+                job, engine, signals, counts = asyncio.run(run(params, root, dataset, targets, console, total=total))
+            progress, budget = engine.progress, engine.budget
+            detail = {
+                **summary(job, progress, engine),
                 "skipped_reasons": dict(progress.skipped_reasons),
-                "output_tokens_new": progress.output_tokens,
-                "spent_usd_run": round(budget.settled_usd, 8),
-                "possibly_billed_usd_run": round(budget.unknown_usd, 8),
-                "requests_ok": progress.requests_ok,
                 "retries": dict(progress.retries),
                 "errors": dict(progress.errors),
-                "quarantined": progress.quarantined,
                 "retired_endpoints": progress.retired,
                 "monitor_stops": progress.monitor_stops,
                 "providers": dict(progress.providers),
                 "request_states": counts,
-                "stop_reason": progress.stop_reason,
-                "params_sha256": job.params_hash,
                 "monitor": engine.monitoring.summary() if engine.monitoring is not None else {"enabled": False},
             }
-            write_atomic(root / paths.generate_reports / f"{dataset}.json", (json.dumps(summary, indent=2) + "\n").encode())
-            mlflow_run.log_metrics({k: v for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)})
-            mlflow_run.log_metrics(
-                {f"provider.{k}": v for k, v in progress.providers.items()}
-                | {f"errors.{k}": v for k, v in progress.errors.items()}
-            )
-            mlflow_run.set_tags(
-                {
-                    "dataset": dataset,
-                    "providers": ",".join(sorted(progress.providers)),
-                    "cost_usd": f"{budget.settled_usd:.6f}",
-                    "stop_reason": progress.stop_reason or "",
-                }
-            )
-            if engine.monitoring is not None:
-                for tag, monitor in engine.monitoring.monitors.items():
-                    mlflow_run.log_series(f"monitor.{tag}.e_value", monitor.path)
-                if engine.monitoring.events:
-                    mlflow_run.set_tags({"monitor.stopped": ",".join(e.tag for e in engine.monitoring.events)})
-                    mlflow_run.log_dict({"stops": [{"tag": e.tag, **e.stop.__dict__} for e in engine.monitoring.events]},
-                                        "monitor_events.json")  # fmt: skip
-            mlflow_run.log_input(prompts, context="prompts")
-            if output.exists():
-                mlflow_run.log_output(output)
+            log_run(mlflow_run, job, engine, detail)
+            done = progress.records_done_before + progress.records_done
             console.print(
                 f"{dataset}: {done}/{progress.records_total} records done ({progress.records_done} new, "
                 f"{progress.output_tokens:,} new output tokens, ${budget.settled_usd:.4f} spent this run)"
             )
-            fatal = engine.fatal
-            so_far = f"{done} of {progress.records_total} records of {dataset} are done"
-            if fatal is not None:
-                if fatal.exit_code == 75:
-                    resume = f"rerun `dvc repro` or `quanthunt generate {dataset}`"
-                    raise StopRun(
-                        f"stopped: {progress.stop_reason}. {so_far}; top up the key, then {resume} to continue "
-                        "(finished records are kept and not paid for again)",
-                        75,
-                    )
-                raise StopRun(f"stopped: {fatal}", fatal.exit_code)
-            if progress.records_failed:
-                errors = ", ".join(f"{k} ×{n}" for k, n in progress.errors.most_common(3))
-                raise StopRun(
-                    f"{progress.records_failed} records of {dataset} failed this run ({errors}); {so_far}; "
-                    f"rerun `quanthunt generate {dataset}` to retry them",
-                    75,
-                )
-            if progress.stop_reason and "cap" in progress.stop_reason:
-                raise StopRun(
-                    f"stopped: {progress.stop_reason}. {so_far}; raise generate.max_usd_per_run or rerun to continue", 75
-                )
+            failure = run_failure(job, engine, signals, resume=f"quanthunt generate {dataset} --params {params_path}")
+            if failure is not None:
+                raise failure
+            working = working_file(root / paths.generating, dataset, job.params_hash)
+            output = root / paths.generated / f"{dataset}.jsonl"
+            if working.exists():
+                publish(working, output)
+                mlflow_run.log_output(output)
+            reports = root / paths.generate_reports
+            write_atomic(reports / f"{dataset}.detail.json", (json.dumps(detail, indent=2) + "\n").encode())
+            write_atomic(reports / f"{dataset}.json", (json.dumps(summary(job, progress, engine), indent=2) + "\n").encode())
+
+
+def summary(job: Job, progress: Progress, engine: Engine) -> dict[str, object]:
+    """The run's headline figures: the DVC metrics (narrow: the detail file has the rest)."""
+    return {
+        "records_total": progress.records_total,
+        "records_done": progress.records_done_before + progress.records_done,
+        "records_new": progress.records_done,
+        "records_failed": progress.records_failed,
+        "records_skipped": progress.records_skipped,
+        "output_tokens_new": progress.output_tokens,
+        "spent_usd_run": round(engine.budget.settled_usd, 8),
+        "possibly_billed_usd_run": round(engine.budget.unknown_usd, 8),
+        "requests_ok": progress.requests_ok,
+        "retries_total": sum(progress.retries.values()),
+        "errors_total": sum(progress.errors.values()),
+        "quarantined": progress.quarantined,
+        "monitor_stops_total": len(progress.monitor_stops),
+        "stop_reason": progress.stop_reason,
+        "params_sha256": job.params_hash,
+    }
+
+
+def log_run(mlflow_run: StageRun, job: Job, engine: Engine, detail: dict[str, object]) -> None:
+    progress = engine.progress
+    mlflow_run.log_metrics({k: v for k, v in detail.items() if isinstance(v, int | float) and not isinstance(v, bool)})
+    mlflow_run.log_metrics(
+        {f"provider.{k}": v for k, v in progress.providers.items()} | {f"errors.{k}": v for k, v in progress.errors.items()}
+    )
+    mlflow_run.log_dict(detail, "summary.json")
+    mlflow_run.set_tags(
+        {
+            "dataset": job.dataset,
+            "providers": ",".join(sorted(progress.providers)),
+            "cost_usd": f"{engine.budget.settled_usd:.6f}",
+            "stop_reason": progress.stop_reason or "",
+        }
+    )
+    if engine.monitoring is not None:
+        for tag, monitor in engine.monitoring.monitors.items():
+            mlflow_run.log_series(f"monitor.{tag}.e_value", monitor.path)
+        if engine.monitoring.events:
+            mlflow_run.set_tags({"monitor.stopped": ",".join(e.tag for e in engine.monitoring.events)})
+            mlflow_run.log_dict({"stops": [{"tag": e.tag, **e.stop.__dict__} for e in engine.monitoring.events]},
+                                "monitor_events.json")  # fmt: skip
+
+
+def run_failure(job: Job, engine: Engine, signals: StopSignals, *, resume: str) -> StopRun | None:
+    """Why the run did not finish, as the error the stage exits with (None: it finished)."""
+    progress = engine.progress
+    so_far = (
+        f"{progress.records_done_before + progress.records_done} of {progress.records_total} records of {job.dataset} are done"
+    )
+    kept = "finished records are kept and not paid for again"
+    if signals.received:
+        cut = "requests still in flight were cut off (counted as possibly billed); " if signals.cut_short else ""
+        return StopRun(f"{signals.reason}: {so_far}; {cut}resume with `{resume}` ({kept})", EXIT_INTERRUPTED)
+    fatal = engine.fatal
+    if fatal is not None:
+        if fatal.exit_code == EXIT_OUT_OF_BUDGET:
+            return StopRun(f"stopped: {progress.stop_reason}. {so_far}; top up the key, then resume with `{resume}` ({kept})",
+                           EXIT_OUT_OF_BUDGET)  # fmt: skip
+        return StopRun(f"stopped: {fatal}. {so_far}; resume with `{resume}` once that is fixed", fatal.exit_code)
+    if progress.records_failed:
+        errors = ", ".join(f"{k} ×{n}" for k, n in progress.errors.most_common(3))
+        return StopRun(f"{progress.records_failed} records of {job.dataset} failed this run ({errors}); {so_far}; "
+                       f"retry them with `{resume}`", EXIT_OUT_OF_BUDGET)  # fmt: skip
+    if progress.stop_reason and "cap" in progress.stop_reason:
+        return StopRun(f"stopped: {progress.stop_reason}. {so_far}; raise generate.max_usd_per_run or resume with `{resume}`",
+                       EXIT_OUT_OF_BUDGET)  # fmt: skip
+    return None

@@ -36,6 +36,20 @@ def with_change(path: str, value: Any) -> dict[str, Any]:
     return data
 
 
+def test_dvc_exp_run_set_changes_only_the_line_it_sets(tmp_path: Path) -> None:
+    """``dvc exp run -S`` rewrites params.yaml with DVC's round-trip YAML writer; the
+    shipped file is written in that writer's form (e.g. null as an empty value), so an
+    experiment's diff is the one value it sets, comments and layout kept."""
+    from dvc.utils.serialize import modify_yaml
+
+    copy = tmp_path / "params.yaml"
+    copy.write_text((ROOT / "params.yaml").read_text())
+    with modify_yaml(copy) as data:
+        data["generate"]["sampling"]["temperature"] = 0.8
+    before, after = (ROOT / "params.yaml").read_text().splitlines(), copy.read_text().splitlines()
+    assert [(a, b) for a, b in zip(before, after, strict=True) if a != b] == [("    temperature: 0.7", "    temperature: 0.8")]
+
+
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [

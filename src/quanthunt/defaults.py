@@ -27,6 +27,9 @@ GATEWAY_GET_ATTEMPTS = 4
 """Idempotent reads (endpoints, generation, key) are retried on transient failures."""
 GATEWAY_GET_BACKOFF_S = 0.5
 """First retry delay of a read; doubles each time, capped at 10 s (Retry-After wins)."""
+GATEWAY_UNREACHABLE_S = 5.0
+"""Connections refused this long, with no reply in between, stop a generate run (exit 2):
+nothing was sent, so nothing is lost, and retrying for minutes only hides the cause."""
 GATEWAY_GENERATION_LAG_S = 5.0
 """``/generation?id=`` lags the reply (~1 s on OpenRouter): a 404 is asked again for this long."""
 GATEWAY_SLOWEST_TOKENS_PER_S = 10.0

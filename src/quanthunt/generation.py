@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
@@ -53,10 +54,10 @@ from typing import Any, Protocol
 import orjson
 
 from quanthunt import __version__
-from quanthunt.defaults import GATEWAY_LIMITS
+from quanthunt.defaults import GATEWAY_LIMITS, GATEWAY_UNREACHABLE_S
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
 from quanthunt.gateway import TRANSIENT, ChatReply, GatewayError, Generation, Routing, chat_body, same_provider
-from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
+from quanthunt.ledger import BILLING, Ledger, LedgerWriter, RequestKey
 from quanthunt.monitoring import LOGPROB_TOP, Event, Monitoring
 from quanthunt.prompts import PromptRecord, next_request, skeleton
 
@@ -409,6 +410,10 @@ class Engine:
         self._unknown_with_id: list[tuple[int, str, float]] = []
         self._record_costs = ledger.unwritten_record_costs(job.dataset, job.params_hash)
         """Settled spend of each record not yet written (all its attempts, earlier runs' too)."""
+        self._attempts = ledger.unwritten_attempts(job.dataset, job.params_hash)
+        """Finished attempts of each turn not yet written, by billing (earlier runs' too)."""
+        self._unreachable_since: float | None = None
+        """When the current unbroken run of connection failures began (None: the gateway answers)."""
         self._write_error: BaseException | None = None
 
     def stop(self, reason: str, *, fatal: StopRun | None = None) -> None:
@@ -473,6 +478,7 @@ class Engine:
             self._record_costs.pop(record.id, None)
             for turn in range(len(record.conversations)):
                 self.done_turns.pop((record.id, turn), None)
+                self._attempts.pop((record.id, turn), None)
 
     async def _regenerate(self, record: PromptRecord) -> None:
         segments = skeleton(record)
@@ -529,6 +535,7 @@ class Engine:
         tags = sorted({r["endpoint_tag"] for r in replies})
         first = self._endpoints[replies[0]["endpoint_tag"]]
         costs = self._record_costs.get(record.id, 0.0)
+        attempts = [self._attempts.get((record.id, turn), Counter()) for turn in range(len(replies))]
         provenance = {
             "provider": ",".join(providers),
             "endpoint_tag": ",".join(tags),
@@ -548,24 +555,28 @@ class Engine:
                 "cost_usd": round(costs, 10),
             },
             "generation_ids": [r["generation_id"] for r in replies],
-            "attempts": sum(r["attempts"] for r in replies),
+            "attempts": sum(a.total() for a in attempts),
             "finish_reason": replies[-1]["finish_reason"],
             "turns": [
                 {
-                    k: r.get(k)
-                    for k in (
-                        "provider",
-                        "endpoint_tag",
-                        "generation_id",
-                        "finish_reason",
-                        "prompt_tokens",
-                        "completion_tokens",
-                        "cost_usd",
-                        "attempts",
-                        "monitor",
-                    )
+                    **{
+                        k: r.get(k)
+                        for k in (
+                            "provider",
+                            "endpoint_tag",
+                            "generation_id",
+                            "finish_reason",
+                            "prompt_tokens",
+                            "completion_tokens",
+                            "cost_usd",
+                            "monitor",
+                        )
+                    },
+                    # Every attempt of every run, not only the one that succeeded.
+                    "attempts": a.total(),
+                    "attempts_by_billing": {b: a[b] for b in BILLING},
                 }
-                for r in replies
+                for r, a in zip(replies, attempts, strict=True)
             ],
             "started_at": _iso(started),
             "finished_at": _iso(time.time()),
@@ -623,7 +634,7 @@ class Engine:
                 )
                 continue
             self.progress.in_flight -= 1
-            result = await self._succeeded(key, attempt_id, worst, reply, endpoint, attempt=attempt, committing=committing,
+            result = await self._succeeded(key, attempt_id, worst, reply, endpoint, committing=committing,
                                            monitored=messages if monitored else None)  # fmt: skip
             if result is not None:
                 return result
@@ -631,6 +642,9 @@ class Engine:
                 worst += (larger - max_tokens) * job.worst_completion_rate
                 max_tokens = larger
         return None
+
+    def _count(self, key: RequestKey, billing: str) -> None:
+        self._attempts.setdefault((key.record_id, key.turn), Counter())[billing] += 1
 
     async def _endpoint(self) -> Eligible | None:
         """An active endpoint, drawn by weight among those whose monitor is not behind
@@ -651,6 +665,7 @@ class Engine:
         kind = error.kind
         self.progress.errors[kind] += 1
         possibly_billed = kind in BILLED_UNKNOWN
+        self._count(key, "possibly_billed" if possibly_billed else "unbilled")
         if possibly_billed:
             self.budget.unknown(worst)
             if error.generation_id:
@@ -679,6 +694,14 @@ class Engine:
             hint = STOPPING[kind] or "no eligible endpoint serves these requests (provider filters left nothing)"
             self.stop(hint, fatal=StopRun(f"{hint}: {error}", EXIT_BAD_INPUT))
             return "stop"
+        if kind != "connect":
+            self._unreachable_since = None
+        elif self._unreachable_since is None:
+            self._unreachable_since = time.monotonic()
+        elif time.monotonic() - self._unreachable_since >= GATEWAY_UNREACHABLE_S:
+            hint = "the gateway cannot be reached"
+            self.stop(hint, fatal=StopRun(f"{hint} ({error}) for {GATEWAY_UNREACHABLE_S:g} s", EXIT_BAD_INPUT))
+            return "stop"
         if kind == "http_429":
             self.cooldown.extend(error.retry_after_s if error.retry_after_s is not None else 1.0)
         if retry:
@@ -687,7 +710,7 @@ class Engine:
         return "stop"
 
     async def _succeeded(
-        self, key: RequestKey, attempt_id: int, worst: float, reply: ChatReply, endpoint: Eligible, *, attempt: int,
+        self, key: RequestKey, attempt_id: int, worst: float, reply: ChatReply, endpoint: Eligible, *,
         committing: list[asyncio.Future[Any]], monitored: list[dict[str, str]] | None = None,
     ) -> dict[str, Any] | None:  # fmt: skip
         """Settle a reply. Returns the turn, or None when the reply is paid for but not
@@ -696,6 +719,8 @@ class Engine:
         usage = reply.usage
         cost = usage.cost if usage is not None and usage.cost is not None else worst
         self.budget.settle(worst, cost)
+        self._unreachable_since = None
+        self._count(key, "billed")
         self._record_costs[key.record_id] = self._record_costs.get(key.record_id, 0.0) + cost
         prompt_tokens = usage.prompt_tokens if usage else 0
         completion_tokens = usage.completion_tokens if usage else 0
@@ -731,7 +756,6 @@ class Engine:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "cost_usd": cost,
-            "attempts": attempt,
             "monitor": self.monitoring.stamp(endpoint.tag) if self.monitoring is not None else None,
         }
         if monitored is not None and self.monitoring is not None:
@@ -872,3 +896,42 @@ def prepare_output(path: Path, ledger: Ledger, dataset: str, params_hash: str) -
             fh.flush()
             os.fsync(fh.fileno())
     return Repair(frozenset(in_file) | {r for r, _ in restore}, truncated, len(adopt), len(restore), edited)
+
+
+def working_file(folder: Path, dataset: str, params_hash: str) -> Path:
+    """Where a dataset's records are generated: one file per sampling params (their hash
+    keys the ledger too), so new params make a new dataset and the old params' file stays
+    whole, ready to be published again when they come back."""
+    return folder / f"{dataset}-{params_hash[:12]}.jsonl"
+
+
+def adopt_published(published: Path, working: Path, params_hash: str) -> bool:
+    """Start ``working`` from the published file when it holds these params' records (a
+    project generated before working files existed keeps its bytes, so DVC reruns nothing)."""
+    if working.exists() or not published.exists():
+        return False
+    with published.open("rb") as fh:
+        first = fh.readline()
+    try:
+        same = json.loads(first)["provenance"]["params_sha256"] == params_hash
+    except (ValueError, KeyError, TypeError):
+        return False
+    if same:
+        _copy_atomic(published, working)
+    return bool(same)
+
+
+def publish(working: Path, published: Path) -> None:
+    """Copy a finished working file over the published output (the DVC output), atomically:
+    the published file only ever holds a whole run's records."""
+    _copy_atomic(working, published)
+
+
+def _copy_atomic(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with source.open("rb") as src, staged.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(staged, target)

@@ -18,6 +18,7 @@ import contextlib
 import json
 import sqlite3
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,20 @@ after the gateway may have billed it; counted as possibly billed until reconcile
 
 OUTCOMES = ("ok", "failed_unbilled", "failed_billed", "unknown", "quarantined", "reconciled")
 """Attempt outcomes: what each HTTP attempt ended as."""
+
+BILLING = ("billed", "possibly_billed", "unbilled")
+"""What an attempt cost, as provenance counts it (``billing_of``)."""
+
+
+def billing_of(outcome: str, cost_usd: float) -> str:
+    """``unknown``: the gateway may have charged it; a reconciled attempt is billed when the
+    gateway's generation record shows a charge."""
+    if outcome == "unknown":
+        return "possibly_billed"
+    if outcome == "failed_unbilled" or (outcome == "reconciled" and not cost_usd):
+        return "unbilled"
+    return "billed"
+
 
 MIGRATIONS: tuple[str, ...] = (
     """
@@ -398,6 +413,20 @@ class Ledger:
             (dataset, params_hash, dataset, params_hash),
         )
         return {r: float(c) for r, c in rows if c}
+
+    def unwritten_attempts(self, dataset: str, params_hash: str) -> dict[tuple[str, int], Counter[str]]:
+        """Finished attempts of records not written yet, by (record id, turn) and billing
+        (``billing_of``): a resumed run's provenance counts every earlier attempt too."""
+        rows = self.db.execute(
+            """SELECT record_id, turn, outcome, cost_usd FROM attempts WHERE dataset=? AND params_hash=?
+                      AND outcome IS NOT NULL AND record_id NOT IN
+                      (SELECT record_id FROM records WHERE dataset=? AND params_hash=?)""",
+            (dataset, params_hash, dataset, params_hash),
+        )
+        counts: dict[tuple[str, int], Counter[str]] = {}
+        for record_id, turn, outcome, cost in rows:
+            counts.setdefault((record_id, int(turn)), Counter())[billing_of(outcome, cost)] += 1
+        return counts
 
     def state_counts(self, dataset: str) -> dict[str, int]:
         return {

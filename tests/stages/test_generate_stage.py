@@ -44,7 +44,7 @@ def test_clean_run_then_nothing_to_redo(generation_bed: Bed) -> None:
                                "quanthunt_version"}  # fmt: skip
     assert len(provenance["generation_ids"]) == 2
     assert sum(r["provenance"]["usage"]["cost_usd"] for r in records) == pytest.approx(settled)
-    report = json.loads((bed.project.root / "reports/generate/tiny.json").read_text())
+    report = bed.detail()
     assert report["records_done"] == 40 and report["records_failed"] == 0
 
     requests_before = bed.sandbox_stats()["requests"]
@@ -61,7 +61,7 @@ def test_faults_are_retried_and_reconciled(generation_bed: Bed) -> None:
     done = bed.generate()
     assert done.returncode == 0, done.stderr
     assert_consistent(bed, expected=40)
-    report = json.loads((bed.project.root / "reports/generate/tiny.json").read_text())
+    report = bed.detail()
     assert {"http_429", "http_500", "malformed", "finish_error"} <= set(report["errors"])
     settled, unknown = bed.ledger_spend()
     assert round(settled + unknown, 10) >= round(bed.charged_usd(), 10) >= round(settled, 10)
@@ -100,7 +100,7 @@ def test_in_flight_reservations_wait_and_finish(generation_bed: Bed) -> None:
     bed = generation_bed(records=40, credits=0.02, latency_ms=200, params={"generate.sampling.max_tokens": 256})
     done = bed.generate()
     assert done.returncode == 0, done.stderr
-    report = json.loads((bed.project.root / "reports/generate/tiny.json").read_text())
+    report = bed.detail()
     assert report["errors"].get("openrouter_in_flight_budget", 0) > 0
     assert_consistent(bed, expected=40)
 
@@ -128,7 +128,7 @@ def test_bad_inputs(generation_bed: Bed) -> None:
     prompts.write_text(good + json.dumps({"id": "huge", "messages": [{"role": "user", "content": "word " * 20000}]}) + "\n")
     done = bed.generate()
     assert done.returncode == 0, done.stderr
-    report = json.loads((bed.project.root / "reports/generate/tiny.json").read_text())
+    report = bed.detail()
     assert report["records_skipped"] == 1 and report["skipped_reasons"] == {"prompt over the context length": 1}
     assert "huge" not in {r["id"] for r in bed.records()}
 

@@ -43,7 +43,7 @@ class DriftBed:
         return dict(reply.json())
 
     def summary(self) -> dict[str, Any]:
-        return dict(json.loads((self.project.root / "reports/generate/tiny.json").read_text()))
+        return dict(json.loads((self.project.root / "reports/generate/tiny.detail.json").read_text()))
 
 
 @pytest.fixture
