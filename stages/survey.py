@@ -81,21 +81,21 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         rows = apply_policy(endpoints, params.survey.policy)
         plan = plan_budget(rows, params.survey.budget, params.verify)
         candidates = [r for r in rows if r.is_candidate]
-        metrics = {
+        metrics = {  # the metrics file: headline scalars; each scenario's numbers are in the plan
             "providers": len(rows),
             "candidates": len(candidates),
             "excluded": len(rows) - len(candidates),
             "verification_cost_usd": plan["verification"]["cost_usd"],
         }
-        for scenario in plan["scenarios"]:
-            metrics[f"{scenario['scenario']}_completion_usd_per_m"] = scenario["completion_usd_per_m"]
-            metrics[f"{scenario['scenario']}_total_cost_usd"] = scenario["total_cost_usd"]
+        scenarios = {
+            f"{s['scenario']}_{key}": s[key] for s in plan["scenarios"] for key in ("completion_usd_per_m", "total_cost_usd")
+        }
         with Outputs() as out:
             out.write_text(root / paths.survey_providers, providers_csv(rows))
             out.write_json(root / paths.survey_plan, plan)
             out.write_json(root / paths.survey_metrics, metrics)
         show(rows, plan, console)
-        run.log_metrics(metrics)
+        run.log_metrics({**metrics, **scenarios})
         run.set_tags(
             {
                 "providers": ",".join(r.tag for r in rows),

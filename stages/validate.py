@@ -23,6 +23,11 @@ from quanthunt.tracking import git_state, repo_root, search_stage_runs, stage_ru
 from quanthunt.validation import check, final_record
 from quanthunt.verdicts import load_verdicts
 
+HEADLINE = ("records", "cost_usd", "truncated_share", "near_duplicate_share")
+"""The metrics file's numbers (``dvc metrics show`` reads a row per dataset), besides its
+status and failures: headline scalars only, so the row fits a terminal. Tokens, counts
+and per-provider and per-kind detail are in the provenance card and the MLflow run."""
+
 
 class ValidationFailed(QuanthuntError):
     """The dataset failed a check; the report says which records and why."""
@@ -91,9 +96,8 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             first=params.validate_.max_failure_examples,
         )
         report: dict[str, Any] = {
-            "dataset": dataset,
             "status": "passed" if checked.ok else "failed",
-            **checked.metrics,
+            **{k: checked.metrics[k] for k in HEADLINE},
             "failures": [f.__dict__ for f in checked.failures],
         }
         run.set_tags(
@@ -127,6 +131,8 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
         card = {
             "dataset": dataset,
             "records": checked.metrics["records"],
+            "records_generated": checked.metrics["records_generated"],
+            "turns": checked.metrics["turns"],
             "tokens": {"prompt": checked.metrics["prompt_tokens"], "completion": checked.metrics["completion_tokens"]},
             "cost_usd": checked.metrics["cost_usd"],
             "model": params.survey.model,
@@ -172,6 +178,9 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
                 "passed": True,
                 "truncated_share": checked.metrics["truncated_share"],
                 "near_duplicate_share": checked.metrics["near_duplicate_share"],
+                "finish_reasons": checked.metrics["finish_reasons"],
+                "mean_answer_chars": checked.metrics["mean_answer_chars"],
+                "ledger_cost_usd": checked.metrics["ledger_cost_usd"],
             },
         }
         with Outputs() as out:

@@ -95,3 +95,23 @@ def test_tamper_evidence_names_removed_and_added_records(validated: GenerationBe
     by_check = {f["check"]: f["examples"] for f in report["failures"]}
     assert by_check["removed_after_generation"] == removed
     assert by_check["added_after_generation"] == ["smuggled"]
+
+
+NARROW_COLUMNS = 120
+"""``dvc metrics show FILE`` fits a terminal this wide."""
+
+
+def test_survey_and_validate_metrics_stay_narrow(validated: GenerationBed) -> None:
+    project = validated.project
+    shown = project.dvc("metrics", "show", "--json")
+    assert shown.returncode == 0, shown.stderr
+    data = json.loads(shown.stdout)[""]["data"]
+    for path in ("reports/survey/metrics.json", "reports/validate/tiny.json"):
+        metrics = data[path]["data"]
+        assert not [k for k, v in metrics.items() if isinstance(v, dict)], f"{path}: per-provider detail in the metrics"
+        assert len(metrics) <= 8, f"{path}: {sorted(metrics)}"
+        table = project.dvc("metrics", "show", path)
+        assert max(len(line) for line in table.stdout.splitlines()) <= NARROW_COLUMNS, table.stdout
+    card = json.loads((project.root / "data/final/tiny.card.json").read_text())  # the detail moved here
+    assert sum(card["checks"]["finish_reasons"].values()) == card["records_generated"] == 12
+    assert sum(p["records_served"] for p in card["providers"]) >= 12
