@@ -9,6 +9,8 @@ schemas derived from it); the facts the spec omits (402 ``limit_source``, HTTP 2
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import random
@@ -173,6 +175,7 @@ class Sandbox:
         self.generations: OrderedDict[str, _Generation] = OrderedDict()
         self.rng = random.Random(roster.seed)
         self.buckets = {p.tag: TokenBucket(p.rate_limit.rps, p.rate_limit.burst) for p in roster.providers if p.rate_limit}
+        self.slots = {p.tag: asyncio.Semaphore(p.max_concurrent) for p in roster.providers if p.max_concurrent}
         self.stats = Stats()
         self.started = time.time()
         self.clock = time.monotonic()  # drifts ``after_s`` count from here
@@ -538,10 +541,11 @@ class Sandbox:
         if fault == "finish_error":
             completion = Completion(text="", tokens=[], finish_reason="error", prompt_tokens=len(prompt_ids))
         else:
-            completion = await thinking.complete(
-                self.engine, precision, sampling, self.roster.model.reasoning, enabled=params.thinking,
-                pace=(provider.latency_ms / 1000, provider.throughput_tps),
-            )  # fmt: skip
+            async with self.slots.get(provider.tag) or contextlib.nullcontext():  # a loaded provider: wait for a slot
+                completion = await thinking.complete(
+                    self.engine, precision, sampling, self.roster.model.reasoning, enabled=params.thinking,
+                    pace=(provider.latency_ms / 1000, provider.throughput_tps),
+                )  # fmt: skip
         if fault == "empty_answer":  # every token went to reasoning
             completion = dataclasses.replace(completion, text="", reasoning=completion.text, finish_reason="length",
                                              reasoning_tokens=len(completion.tokens))  # fmt: skip

@@ -266,6 +266,10 @@ class Provider(_Strict):
     """Time to first token (latency mode sleeps it; both modes report it)."""
     throughput_tps: float = Field(default=60.0, gt=0)
     """Output tokens per second (latency mode streams at this rate)."""
+    max_concurrent: int | None = Field(default=None, ge=1)
+    """Requests it generates at once; the rest wait their turn in arrival order while their
+    clients' clocks run (a loaded provider: the slow gateway). A request whose client gave
+    up waiting is still generated and billed, as a real provider does. None: no limit."""
     rate_limit: RateLimit | None = None
     faults: Faults = Faults()
 
