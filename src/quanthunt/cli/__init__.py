@@ -3,6 +3,7 @@ app; this module joins them. Commands parse options and call the library."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -24,8 +25,18 @@ stages.register(app)
 app.command(rich_help_panel="Provenance")(compare.compare)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
-    """Entry point: user-facing errors become one line on stderr and an exit code."""
+    """Entry point: user-facing errors become one line on stderr and an exit code.
+
+    SIGINT and SIGTERM interrupt whatever runs (exit 130), even when SIGINT was inherited
+    ignored (a stage started in the background of a script); the generate stage replaces
+    both with its own graceful stop while it sends requests (``quanthunt.interrupts``)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         app()
     except QuanthuntError as exc:
