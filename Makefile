@@ -24,14 +24,18 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 # `dvc plots show` draws offline: DVC's page loads Vega from a CDN, so .dvc/config names this
 # template instead, with Vega, Vega-Lite and vega-embed inlined from their npm packages
 # (tools/vega, pinned by its package-lock.json; node_modules is git-ignored). Rebuilt only
-# when the pins or the builder change; without npm, a note and `dvc plots show` stays blank.
+# when the pins or the builder change. Without npm: DVC's CDN page (online only), dated 1970
+# so the next `make install` tries again.
 VEGA := tools/vega
 PLOTS_TEMPLATE := .dvc/plots.html
 $(PLOTS_TEMPLATE): $(VEGA)/package.json $(VEGA)/package-lock.json src/quanthunt/plots_template.py | $(STAMP)
 	@if command -v npm >/dev/null 2>&1; then \
 	  npm ci --prefix $(VEGA) --no-audit --no-fund --ignore-scripts --loglevel=error && \
-	  $(BIN)/python -m quanthunt.plots_template $(VEGA)/node_modules $@; \
-	else echo "note: npm not found; install Node.js and rerun make install for an offline dvc plots show"; fi
+	  $(BIN)/python -m quanthunt.plots_template $@ --node-modules $(VEGA)/node_modules; \
+	else \
+	  echo "note: npm not found: dvc plots show loads Vega from the internet (install Node.js, then make install)"; \
+	  $(BIN)/python -m quanthunt.plots_template $@ && touch -d @0 $@; \
+	fi
 
 plots-template: $(PLOTS_TEMPLATE)
 

@@ -5,13 +5,18 @@ page is blank. This template carries the three scripts inline, read from the npm
 packages ``make install`` puts in ``tools/vega/node_modules`` (versions pinned by
 ``tools/vega/package-lock.json``); ``.dvc/config`` names it (``plots.html_template``).
 
+Without the packages (no npm), ``make install`` writes the page with DVC's CDN scripts
+instead, so ``dvc plots show`` still works online rather than failing on a missing file.
+
 Usage::
 
-    python -m quanthunt.plots_template tools/vega/node_modules .dvc/plots.html
+    python -m quanthunt.plots_template .dvc/plots.html --node-modules tools/vega/node_modules
+    python -m quanthunt.plots_template .dvc/plots.html   # the CDN page
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -58,21 +63,25 @@ def inline_script(node_modules: Path, relative: str) -> str:
     return f"    <script>/* {package} {version} */\n{code}\n    </script>\n"
 
 
-def render(node_modules: Path) -> str:
-    """The template's text: DVC's default page with the three scripts inline."""
+def render(node_modules: Path | None) -> str:
+    """The template's text: DVC's default page with the three scripts inline, or with
+    DVC's own CDN scripts (``{scripts}``) where ``node_modules`` is None."""
+    if node_modules is None:
+        return HEAD + "    {scripts}\n" + TAIL
     return HEAD + "".join(inline_script(node_modules, s) for s in SCRIPTS) + TAIL
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m quanthunt.plots_template NODE_MODULES TEMPLATE", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m quanthunt.plots_template", description=__doc__.split("\n")[0])
+    parser.add_argument("template", type=Path, help="the page to write (.dvc/plots.html)")
+    parser.add_argument("--node-modules", type=Path, help="where npm put vega, vega-lite and vega-embed")
+    args = parser.parse_args(argv)
     try:
-        page = render(Path(argv[0]))
+        page = render(args.node_modules)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    write_atomic(Path(argv[1]), page.encode())
+    write_atomic(args.template, page.encode())
     return 0
 
 
