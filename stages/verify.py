@@ -23,14 +23,24 @@ from quanthunt.decision import Subject
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import Gateway, resolve_api_key
 from quanthunt.outputs import Outputs
-from quanthunt.params import Params, load_params, section_digest
+from quanthunt.params import Margins, Params, load_params, section_digest
 from quanthunt.prompts import load_prompts
 from quanthunt.reference import Reference
 from quanthunt.survey import CANDIDATE, ProviderRow, probe_cost, read_providers
 from quanthunt.terminal import stage_console
 from quanthunt.tracking import StageRun, repo_root, stage_run
 from quanthunt.verdicts import ProviderVerdict, Verdicts
-from quanthunt.verification import Audit, Auditor, Design, Probe, select_probes, summary_values
+from quanthunt.verification import (
+    Audit,
+    Auditor,
+    Design,
+    Probe,
+    accounted,
+    probe_limits,
+    probe_timeout,
+    select_probes,
+    summary_values,
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,8 @@ async def audit_all(
     params: Params, rows: list[Row], probes: list[Probe], targets: Targets, *, siblings: list[str], console: Console
 ) -> tuple[list[Audit], list[int], str]:
     """Audit every row in rounds until each is decided or has had every probe of the plan."""
-    p = params.verify.probes
+    v = params.verify
+    p = v.probes
     design = Design(
         model=params.survey.model,
         seed=params.verify.seed,
@@ -74,14 +85,22 @@ async def audit_all(
         reasoning=params.reasoning,
     )
     async with (
-        Gateway(targets.api_url, api_key=resolve_api_key(targets.api_url)) as gateway,
+        Gateway(
+            targets.api_url,
+            api_key=resolve_api_key(targets.api_url),
+            timeout=probe_timeout(v.request_timeout_s),
+            limits=probe_limits(v.concurrency),
+        ) as gateway,
         Reference(targets.reference_url, model=params.reference.model) as reference,
     ):
         reference_model = (await reference.check()).model
-        auditor = Auditor(gateway, reference, design, concurrency=params.verify.concurrency, siblings=siblings)
+
+        def on_cut(before: int, after: int) -> None:
+            console.print(f"verify: a probe request timed out; in-flight limit {before} → {after} (timed-out probes are retried)")
+
+        auditor = Auditor(gateway, reference, design, concurrency=v.concurrency, siblings=siblings, on_cut=on_cut)
         audits = [Audit(r.subject.provider, r.subject.tag, "logprob" if r.logprobs else "sample") for r in rows]
         subjects = [r.subject for r in rows]
-        v = params.verify
 
         def settled(audits: Sequence[Audit]) -> list[bool]:
             return [s.verdict is not None for s in decision.judge(subjects, audits, v.margin, v.decision)]
@@ -107,7 +126,8 @@ def render_report(verdicts: Verdicts, images: dict[str, bytes]) -> str:
             f"<td>{v.declared_quantization}</td><td>{v.mode}</td>"
             f"<td><b>{v.verdict}</b><br><small>{html.escape(v.reason)}</small></td><td><small>{effects}</small></td>"
             f"<td><small>{tests}</small></td><td>{', '.join(f'{k} {p:.2f}' for k, p in v.power.items())}</td>"
-            f"<td>{v.completions} in {v.rounds} round(s); e-value {v.e_value:.3g}</td><td>${v.cost_usd:.5f}</td></tr>"
+            f"<td>{v.completions} in {v.rounds} round(s); e-value {v.e_value:.3g}{_unusable_html(v)}</td>"
+            f"<td>${v.cost_usd:.5f}</td></tr>"
         )
     plots = "".join(
         f"<figure><img alt='{html.escape(name)}' src='{figures.data_uri(png)}'>"
@@ -128,16 +148,30 @@ Tests marked baseline are the fixed-sample tests on the first round, reported fo
 """
 
 
+def _unusable_html(v: ProviderVerdict) -> str:
+    notes = [f"unusable: {html.escape(v.unusable_text())}"] if v.unusable else []
+    notes += [f"{v.possibly_billed} timed out, possibly billed"] if v.possibly_billed else []
+    return "".join(f"<br><small>{note}</small>" for note in notes)
+
+
 def show(verdicts: Verdicts, console: Console) -> None:
     table = Table(title="Verification", title_justify="left")
-    for column in ("provider", "tag", "declares", "mode", "completions", "verdict", "reason"):
+    for column in ("provider", "tag", "declares", "mode", "completions", "unusable", "verdict", "reason"):
         table.add_column(column)
     for v in verdicts.providers:
-        table.add_row(v.provider, v.tag, v.declared_quantization, v.mode, str(v.completions), v.verdict, v.reason)
+        table.add_row(v.provider, v.tag, v.declared_quantization, v.mode, str(v.completions), str(v.failed_requests),
+                      v.verdict, v.reason)  # fmt: skip
     console.print(table)
+    for v in verdicts.providers:  # every probe that could not be used, and why
+        notes = [f"{v.failed_requests} of {v.completions + v.failed_requests} completions unusable ({v.unusable_text()})"]
+        notes = notes if v.unusable else []
+        if v.possibly_billed:
+            notes.append(f"{v.possibly_billed} requests timed out after they were sent (retried; they may have been billed)")
+        if notes:
+            console.print(f"verify: {v.tag}: " + "; ".join(notes), soft_wrap=True)
 
 
-def log_provider_runs(run: StageRun, verdicts: list[ProviderVerdict]) -> list[ProviderVerdict]:
+def log_provider_runs(run: StageRun, verdicts: list[ProviderVerdict], margin: Margins) -> list[ProviderVerdict]:
     out = []
     for v in verdicts:
         child = run.child(
@@ -147,17 +181,12 @@ def log_provider_runs(run: StageRun, verdicts: list[ProviderVerdict]) -> list[Pr
             {f"effect.{k}": e.value for k, e in v.effects.items()}
             | {f"power.{k}": p for k, p in v.power.items()}
             | {"completions": v.completions, "rounds": v.rounds, "e_value": v.e_value, "failed_requests": v.failed_requests}
-            | {"cost_usd": v.cost_usd}
+            | {f"unusable.{k}": n for k, n in v.unusable.items()}
+            | {"possibly_billed": v.possibly_billed, "cost_usd": v.cost_usd}
         )
-        child.set_tags({"reason": v.reason, "mode": v.mode, "measured_precision": _measured(v)})
+        child.set_tags({"reason": v.reason, "mode": v.mode, "measured_precision": v.measured_precision(margin)})
         out.append(v.model_copy(update={"mlflow_run_id": child.run_id}))
     return out
-
-
-def _measured(v: ProviderVerdict) -> str:
-    if v.verdict == "equivalent":
-        return "reference-equivalent"
-    return "differs-from-reference" if v.verdict == "different" else "unknown"
 
 
 def main(params_path: Path, *, console: Console | None = None) -> None:
@@ -182,7 +211,7 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
             )
         m, d = params.verify.margin, params.verify.decision
         decided = decision.verdicts([r.subject for r in rows], audits, m, d, rounds=rounds, seed=params.verify.seed)
-        decided = log_provider_runs(run, decided)
+        decided = log_provider_runs(run, [accounted(v, a) for v, a in zip(decided, audits, strict=True)], m)
         verdicts = Verdicts(
             model=params.survey.model,
             reference_model=reference_model,
@@ -213,6 +242,8 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
             "eligible": len(verdicts.eligible()),
             "cost_usd": verdicts.cost_usd,
             "probes": len(verdicts.probe_ids),
+            "unusable_completions": sum(v.failed_requests for v in verdicts.providers),
+            "possibly_billed_requests": sum(v.possibly_billed for v in verdicts.providers),
         }
         with Outputs() as out:
             out.write_text(root / paths.verdicts, Verdicts.model_validate(verdicts.model_dump()).model_dump_json(indent=2) + "\n")
@@ -227,7 +258,7 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
                 "providers": ",".join(v.tag for v in verdicts.providers),
                 "eligible": ",".join(v.tag for v in verdicts.eligible()),
                 "declared_precision": ",".join(f"{v.tag}={v.declared_quantization}" for v in verdicts.providers),
-                "measured_precision": ",".join(f"{v.tag}={_measured(v)}" for v in verdicts.providers),
+                "measured_precision": " | ".join(f"{v.tag} {v.measured_precision(m)}" for v in verdicts.providers),
                 "cost_usd": f"{verdicts.cost_usd:.6f}",
             }
         )

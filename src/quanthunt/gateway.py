@@ -130,7 +130,8 @@ class GatewayError(QuanthuntError):
     for retry policies and error counts: ``http_<status>`` (also for an HTTP 200 whose
     body is a top-level ``error`` with that code), ``limit_source`` values (a 402 without
     one is ``openrouter_credits``), ``constraint_filtered``, ``provider_error`` (an HTTP
-    200 error body without an HTTP code), ``timeout``, ``connect``, ``disconnect``,
+    200 error body without an HTTP code), ``timeout`` (sent, no reply in time: possibly
+    billed), ``connect`` (never sent: refused, or connecting timed out), ``disconnect``,
     ``malformed``, ``unexpected_reply``, ``finish_error``, ``empty_answer`` (a reply with
     no content: the generation engine's, paid for and retried).
     """
@@ -591,6 +592,8 @@ class Gateway:
         where = f"{self.host} {method} {path}"
         try:
             reply = await self._client.request(method, path, **kwargs)
+        except httpx.ConnectTimeout:  # never sent, so never billed: not a ``timeout`` (which may have been)
+            raise GatewayError(f"cannot reach {self.host}: connecting timed out", kind="connect") from None
         except httpx.TimeoutException:
             raise GatewayError(f"{where}: timed out", kind="timeout") from None
         except httpx.ConnectError as exc:

@@ -11,7 +11,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from quanthunt import gateway
 from quanthunt.config_files import field_path, one_line, parse_yaml, read_text
+from quanthunt.defaults import GATEWAY_TIMEOUT
 from quanthunt.errors import ConfigError
 from quanthunt.spec import QUANTIZATIONS
 
@@ -297,7 +298,13 @@ class Verify(_Section):
     """The stage refuses to start when the planned probe cost (every provider audited to
     ``max_probes_per_provider``) exceeds this."""
     concurrency: int = Field(default=32, ge=1, le=2000)
+    """Probe requests in flight at most: the ceiling of the adaptive limit, which halves when
+    a request times out and grows back as requests succeed (``quanthunt.congestion``)."""
     max_attempts: int = Field(default=3, ge=1, le=10)
+    request_timeout_s: float = Field(default=cast(float, GATEWAY_TIMEOUT.read), gt=0, le=3600)
+    """How long a probe request may wait for its reply once sent, plus ``max_tokens`` at the
+    slowest output rate (``gateway.read_timeout_s``); time queued behind our own limit does
+    not count. A request that times out is retried under the lowered limit."""
 
     @model_validator(mode="after")
     def _rounds(self) -> Verify:

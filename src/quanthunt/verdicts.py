@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quanthunt.config_files import field_path, one_line
 from quanthunt.errors import ConfigError
+
+if TYPE_CHECKING:
+    from quanthunt.params import Margins
 
 Verdict = Literal["equivalent", "different", "inconclusive"]
 
@@ -77,12 +80,49 @@ class ProviderVerdict(_Model):
     """That e-process after each completion, in audit order (for the report's plot)."""
     observed: Observed = Observed(shift=[], z=[])
     failed_requests: int = Field(ge=0)
+    """Completions asked for that gave nothing to measure (the sum of ``unusable``)."""
+    unusable: dict[str, int] = Field(default_factory=dict)
+    """Each of them once, by why (``timeout``, ``no_logprobs``, ``empty_completion``,
+    ``unpaired_tokens``, ...): with ``completions`` they add up to every completion asked for."""
+    possibly_billed: int = Field(default=0, ge=0)
+    """Requests that timed out after they were sent (and were retried): the provider may
+    have generated and billed them; their cost is not in ``cost_usd``."""
     errors: dict[str, int]
+    """Failed attempts by kind, retried ones included."""
     tokens: int = Field(ge=0)
     served_by: dict[str, int]
     """Serving providers the responses named; anything but this provider is flagged."""
     cost_usd: float = Field(ge=0)
     mlflow_run_id: str | None = None
+
+    def unusable_text(self) -> str:
+        """``no_logprobs ×3, timeout ×1`` (empty when every completion was measured)."""
+        return ", ".join(f"{k} ×{n}" for k, n in sorted(self.unusable.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def measured_precision(self, margin: Margins) -> str:
+        """The precision measured, named by its effects against their margins, e.g.
+        ``equivalent: mean |Δlogprob| 0.012 (CI ≤ 0.03) < margin 0.08; sampler: mean Φ(rank z)
+        0.49 (CI 0.41–0.57) within ½ ± 0.15``. The intervals are the confidence sequences the
+        sequential tests bet on (valid however many rounds were looked at)."""
+        parts = []
+        if (shift := self.effects.get("mean_abs_dlogprob_clipped")) is not None:
+            m, what = margin.mean_abs_dlogprob, f"mean |Δlogprob| {shift.value:.3g}"
+            if shift.ci_high < m:
+                parts.append(f"{what} (CI ≤ {shift.ci_high:.3g}) < margin {m:g}")
+            elif shift.ci_low > m:
+                parts.append(f"{what} (CI ≥ {shift.ci_low:.3g}) > margin {m:g}")
+            else:
+                parts.append(f"{what} (CI {shift.ci_low:.3g}–{shift.ci_high:.3g}) vs margin {m:g}")
+        if (pit := self.effects.get("mean_pit")) is not None:
+            what = f"sampler: mean Φ(rank z) {pit.value:.3g} (CI {pit.ci_low:.3g}–{pit.ci_high:.3g})"
+            eq, shifted = margin.sampler_equivalence, margin.sampler_shift
+            if 0.5 - eq < pit.ci_low and pit.ci_high < 0.5 + eq:
+                parts.append(f"{what} within ½ ± {eq:g}")
+            elif pit.ci_low > 0.5 + shifted or pit.ci_high < 0.5 - shifted:
+                parts.append(f"{what} off ½ by more than {shifted:g}")
+            else:
+                parts.append(f"{what} vs ½ ± {eq:g}")
+        return f"{self.verdict}: " + ("; ".join(parts) if parts else "nothing measured")
 
 
 class Verdicts(_Model):

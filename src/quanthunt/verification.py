@@ -33,13 +33,17 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import httpx
 import numpy as np
 
 from quanthunt import stats
+from quanthunt.congestion import AdaptiveLimit
+from quanthunt.defaults import GATEWAY_TIMEOUT
 from quanthunt.gateway import TRANSIENT, ChatReply, Gateway, GatewayError, Routing, TokenLogprob, chat_body
 from quanthunt.params import Reasoning
 from quanthunt.prompts import PromptRecord, skeleton
 from quanthunt.reference import PARTIAL, Position, Reference, Scored, canonical_name, merge_by_name
+from quanthunt.verdicts import ProviderVerdict
 
 T = TypeVar("T")
 RETRYABLE = TRANSIENT | {"malformed", "unexpected_reply", "finish_error", "openrouter_in_flight_budget"}
@@ -163,7 +167,17 @@ class Audit:
     logprob: list[LogprobCompletion] = field(default_factory=list)
     sampled: list[SampledText] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
+    """Failed attempts by kind (a retried request that then succeeded counts too)."""
     failed: int = 0
+    """Completions asked for that gave nothing to measure (the sum of ``unusable``)."""
+    unusable: Counter[str] = field(default_factory=Counter)
+    """Each completion asked for and not measured, once, by why: the last error's kind
+    (``timeout``, ``http_503``, ...), ``no_logprobs``, ``empty_completion``,
+    ``unpaired_tokens``, ``reasoning_not_off``, ``unscored_tokens``. With the measured ones
+    they add up to ``attempted``."""
+    possibly_billed: int = 0
+    """Requests that timed out after they were sent: the provider may have generated and
+    billed them (their cost is not in ``cost_usd``)."""
     served_by: Counter[str] = field(default_factory=Counter)
     cost_usd: float = 0.0
     tokens: int = 0
@@ -171,6 +185,11 @@ class Audit:
     first_round_end: int = 0
     """Completions with ``seq`` below this came from the first round (the fixed-sample
     baselines' sample)."""
+
+    def unusable_completion(self, reason: str) -> None:
+        """A completion asked for that gives nothing to measure: counted, never dropped."""
+        self.failed += 1
+        self.unusable[reason] += 1
 
 
 async def with_retries(call: Callable[[], Awaitable[T]], *, attempts: int, errors: Counter[str]) -> T:
@@ -184,6 +203,20 @@ async def with_retries(call: Callable[[], Awaitable[T]], *, attempts: int, error
                 raise
             await asyncio.sleep(min(exc.retry_after_s if exc.retry_after_s is not None else 0.2 * 2**attempt, 10.0))
     raise AssertionError("unreachable")
+
+
+def probe_timeout(request_timeout_s: float) -> httpx.Timeout:
+    """The gateway timeouts of probe requests: ``request_timeout_s`` from the moment a request
+    is sent (it grows with ``max_tokens``, see ``gateway.read_timeout_s``). No pool timeout:
+    the auditor's own limit decides what is sent (``probe_limits`` leaves a connection for
+    every request it admits), so waiting in our own queue never counts as the gateway's
+    slowness."""
+    return httpx.Timeout(connect=GATEWAY_TIMEOUT.connect, read=request_timeout_s, write=GATEWAY_TIMEOUT.write, pool=None)
+
+
+def probe_limits(concurrency: int) -> httpx.Limits:
+    """A connection for each probe request the auditor may have in flight."""
+    return httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
 
 RANK_TOP_K = 20
@@ -352,7 +385,14 @@ class Auditor:
     and caches of what every provider shares (prompt token ids, reference samples)."""
 
     def __init__(
-        self, gateway: Gateway, reference: Reference, design: Design, *, concurrency: int, siblings: Sequence[str] = ()
+        self,
+        gateway: Gateway,
+        reference: Reference,
+        design: Design,
+        *,
+        concurrency: int,
+        siblings: Sequence[str] = (),
+        on_cut: Callable[[int, int], None] = lambda *_: None,
     ) -> None:
         self.gateway = gateway
         self.siblings = tuple(siblings)
@@ -361,6 +401,10 @@ class Auditor:
         self.design = design
         self.scorer = Scorer(reference, design.reasoning, top_logprobs=design.top_logprobs, attempts=design.max_attempts)
         self._gate = asyncio.Semaphore(concurrency)
+        self.limit = AdaptiveLimit(concurrency, on_cut=on_cut)
+        """Probe requests in flight at the gateway (``quanthunt.congestion``)."""
+        self.free_timeout_retries = math.ceil(math.log2(concurrency)) + 1
+        """Timeout retries that use up no attempt: enough cuts to take the limit to 1."""
         self._prompt_ids: dict[str, list[int]] = {}
         self._reference_samples: dict[tuple[str, int], asyncio.Task[SampledText | None]] = {}
 
@@ -382,12 +426,45 @@ class Auditor:
             routing=Routing().pin(audit.tag, siblings=self.siblings),
             reasoning=d.reasoning.request(),
         )
-        reply = await with_retries(lambda: self.gateway.chat(body), attempts=d.max_attempts, errors=audit.errors)
+        reply = await self.send(body, audit)
         audit.served_by[reply.provider or "(not named)"] += 1
         if reply.usage is not None:
             audit.cost_usd += reply.usage.cost or 0.0
             audit.tokens += reply.usage.completion_tokens
         return reply
+
+    async def send(self, body: Mapping[str, Any], audit: Audit) -> ChatReply:
+        """One probe request under the adaptive limit, retried as ``with_retries`` does.
+
+        A timeout also cuts the limit, and the request is sent again (the same body, the
+        same seed: the probe keeps its place in the seeded order and is never swapped for
+        a luckier one). While the retry runs under a lower limit than the request was sent
+        under, it uses up no attempt (at most ``free_timeout_retries`` times); a request
+        that times out with the gateway to itself (limit 1) does. Timeouts do not depend on
+        what the provider samples, so retrying them leaves the measurements' distribution,
+        and the tests' error rates, as they were."""
+        attempts = free = 0
+        while True:
+            async with self.limit.slot() as ticket:
+                try:
+                    reply = await self.gateway.chat(body)
+                except GatewayError as exc:
+                    audit.errors[exc.kind] += 1
+                    error, lowered = exc, False
+                    if exc.kind == "timeout":
+                        audit.possibly_billed += 1
+                        lowered = self.limit.timed_out(ticket)
+                else:
+                    self.limit.succeeded(ticket)
+                    return reply
+            if lowered and free < self.free_timeout_retries:
+                free += 1
+                continue
+            attempts += 1
+            if error.kind not in RETRYABLE or attempts >= self.design.max_attempts:
+                raise error
+            pause = error.retry_after_s if error.retry_after_s is not None else 0.2 * 2**attempts
+            await asyncio.sleep(min(pause, 10.0))
 
     async def _score_text(
         self, probe: Probe, index: int, source: str, ids: list[int], errors: Counter[str], *, seq: int
@@ -401,25 +478,25 @@ class Auditor:
             try:
                 reply = await self._ask(audit, probe, index, logprobs=True)
                 if not reply.logprobs and not (reply.content or reply.reasoning):
-                    audit.failed += 1  # nothing generated (the model stopped at once): nothing to pair
+                    audit.unusable_completion("empty_completion")  # the model stopped at once: nothing to pair
                     audit.errors["empty_completion"] += 1
                     return
                 if not reply.logprobs:
-                    raise GatewayError("the provider returned no logprobs", kind="no_logprobs")
+                    audit.unusable_completion("no_logprobs")
+                    audit.errors["no_logprobs"] += 1
+                    return
                 if thought_while_off(self.design.reasoning, reply, audit.errors):
-                    audit.failed += 1
+                    audit.unusable_completion("reasoning_not_off")
                     return
                 prompt = await self.prompt_ids(probe, audit.errors)
                 completion = await self.scorer.logprobs(prompt, reply, audit.errors, probe_id=probe.id, index=index, seq=seq)
                 if not completion.deltas:  # the first token already tokenizes otherwise: counted, not hidden
-                    audit.failed += 1
+                    audit.unusable_completion("unpaired_tokens")
                     audit.errors["unpaired_tokens"] += 1
                     return
                 audit.logprob.append(completion)
             except GatewayError as exc:
-                audit.failed += 1
-                if exc.kind == "no_logprobs":
-                    audit.errors[exc.kind] += 1
+                audit.unusable_completion(exc.kind)
 
     async def reference_sample(self, probe: Probe, index: int, seq: int) -> SampledText | None:
         key = (probe.id, index)
@@ -454,12 +531,16 @@ class Auditor:
             try:
                 reply = await self._ask(audit, probe, index, logprobs=False)
                 if thought_while_off(self.design.reasoning, reply, audit.errors):
-                    audit.failed += 1
+                    audit.unusable_completion("reasoning_not_off")
                     return
                 ids = await self.scorer.completion_ids(reply.content, reply.reasoning, reply.finish_reason, audit.errors)
-                audit.sampled.append(await self._score_text(probe, index, "provider", ids, audit.errors, seq=seq))
-            except GatewayError:
-                audit.failed += 1
+                scored = await self._score_text(probe, index, "provider", ids, audit.errors, seq=seq)
+                if not scored.tokens:  # no text (or none the reference scored): no rank z to measure
+                    audit.unusable_completion("unscored_tokens" if ids else "empty_completion")
+                    return
+                audit.sampled.append(scored)
+            except GatewayError as exc:
+                audit.unusable_completion(exc.kind)
                 return
         if with_reference:  # the reference's own samples feed only the first round's baselines
             reference = await self.reference_sample(probe, index, seq)
@@ -509,6 +590,12 @@ class Auditor:
             done = list(settled(audits))
             on_round(number, audits, done)
         return rounds
+
+
+def accounted(verdict: ProviderVerdict, audit: Audit) -> ProviderVerdict:
+    """``verdict`` with its audit's accounting: every completion it could not use, by why,
+    and the requests that timed out after they were sent (possibly billed)."""
+    return verdict.model_copy(update={"unusable": dict(audit.unusable), "possibly_billed": audit.possibly_billed})
 
 
 def summary_values(audit: Audit) -> dict[str, Any]:
