@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -18,7 +19,7 @@ from quanthunt.tracking import repo_root, stage_run
 from quanthunt.verdicts import load_verdicts
 
 
-def _json(path: Path) -> dict[str, object] | None:
+def _json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
@@ -39,15 +40,8 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
     for name in params.datasets:
         final = root / paths.final / f"{name}.jsonl"
         records = json_lines(final.read_text(encoding="utf-8")) if final.exists() else []
-        datasets.append(
-            DatasetView(
-                name,
-                records,
-                _json(root / paths.final / f"{name}.card.json"),
-                _json(root / paths.validate_reports / f"{name}.json"),
-                _json(root / paths.generate_reports / f"{name}.json"),
-            )
-        )
+        card = _json(root / paths.final / f"{name}.card.json")
+        datasets.append(DatasetView(name, records, card, _json(root / paths.validate_reports / f"{name}.json")))
     m, d = params.verify.margin, params.verify.decision
     with stage_run(
         "report", params=params, section=params.verify.decision, root=root, experiment=params.tracking.experiment
@@ -60,6 +54,7 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
             datasets=datasets,
             margin=m,
             policy=d,
+            plan=_json(root / paths.survey_plan),
         )
         costs = cost_rows(datasets)
         with Outputs() as out:
