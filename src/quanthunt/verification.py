@@ -16,6 +16,11 @@ sampled token, as a normal score, summed and divided by √tokens (exactly N(0, 
 the reference's own sampler produced). In sample mode it is the measurement; in logprob
 mode it checks the provider's sampler, which the logprobs it reports say nothing about.
 
+Probe requests go out under an adaptive in-flight limit (``quanthunt.congestion``): a
+gateway that queues makes the audit slower, and a timed-out probe is sent again under the
+lowered limit, never replaced by another. Every completion asked for is either measured or
+counted in ``Audit.unusable`` with its reason.
+
 The audit runs in rounds (``audit_rounds``): after each, the caller's ``settled`` says which
 providers are decided, and the rest get the next probes of the same seeded order.
 ``quanthunt.decision`` turns the measurements into verdicts; this module holds the probe
@@ -440,9 +445,13 @@ class Auditor:
         same seed: the probe keeps its place in the seeded order and is never swapped for
         a luckier one). While the retry runs under a lower limit than the request was sent
         under, it uses up no attempt (at most ``free_timeout_retries`` times); a request
-        that times out with the gateway to itself (limit 1) does. Timeouts do not depend on
-        what the provider samples, so retrying them leaves the measurements' distribution,
-        and the tests' error rates, as they were."""
+        that times out with the gateway to itself (limit 1) does.
+
+        Why retry rather than move on: a long answer takes longer, so which requests time
+        out depends on what was sampled, and dropping them would bias the measurements
+        toward short answers. The retried request keeps its ``seq``, and one that still
+        fails is reported (``Audit.unusable``), where ``decision.max_failed_share`` bounds
+        how many there may be."""
         attempts = free = 0
         while True:
             async with self.limit.slot() as ticket:
