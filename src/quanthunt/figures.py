@@ -198,6 +198,8 @@ class OverviewRow:
     verdict: str
     sampler: Interval | None
     logprob: Interval | None
+    missing: str = "not measured"
+    """Said where an interval is missing."""
 
 
 def overview(
@@ -215,10 +217,12 @@ def overview(
         if row.sampler is not None:
             value, low, high = row.sampler
             _interval(left, y, (value - 0.5, low - 0.5, high - 0.5), color)
+        else:
+            left.text(-0.48, y, row.missing, va="center", fontsize=8, color="grey")
         if row.logprob is not None:
             _interval(right, y, row.logprob, color)
         else:
-            right.text(0.005, y, "sample mode: not measured", va="center", fontsize=8, color="grey")
+            right.text(0.005, y, row.missing, va="center", fontsize=8, color="grey")
     left.axvspan(-sampler_equivalence, sampler_equivalence, color="#228833", alpha=0.12)
     for sign in (-1, 1):
         left.axvline(sign * sampler_shift, color="#cc3311", linestyle=":", linewidth=1)
@@ -279,13 +283,14 @@ def budget(bars: Sequence[tuple[str, float, str]], *, budget_usd: float) -> byte
     (a sandbox run spends cents of a $100 plan), the budget as a line."""
     colors = {"plan": "#bbbbbb", "spent": "#4477aa", "projected": "#66ccee"}
     fig, ax = subplots(height=1.2 + 0.33 * max(len(bars), 2))
+    low = min([usd for _, usd, _ in bars if usd > 0] + [budget_usd]) / 3
     labels = [label for label, _, _ in bars]
-    ax.barh(labels, [max(usd, 1e-6) for _, usd, _ in bars], color=[colors.get(kind, "grey") for _, _, kind in bars])
+    ax.barh(labels, [max(usd, low) for _, usd, _ in bars], color=[colors.get(kind, "grey") for _, _, kind in bars])
     for y, (_, usd, _) in enumerate(bars):
-        ax.text(max(usd, 1e-6) * 1.15, y, f"${usd:,.4f}" if usd < 1 else f"${usd:,.2f}", va="center", fontsize=8)
+        ax.text(max(usd, low) * 1.15, y, f"${usd:,.4f}" if usd < 1 else f"${usd:,.2f}", va="center", fontsize=8)
     ax.axvline(budget_usd, color="#cc3311", linestyle="--", label=f"budget ${budget_usd:,.2f}")
     ax.set_xscale("log")
-    ax.set_xlim(min([usd for _, usd, _ in bars if usd > 0] + [budget_usd]) / 3, max([budget_usd, *(u for _, u, _ in bars)]) * 8)
+    ax.set_xlim(low, max([budget_usd, *(u for _, u, _ in bars)]) * 8)
     ax.set_xlabel("USD (log scale)")
     ax.set_ylabel("planned / spent")
     ax.invert_yaxis()

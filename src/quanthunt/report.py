@@ -119,6 +119,7 @@ def overview_figure(verdicts: Verdicts, margin: Margins) -> bytes:
             v.verdict,
             interval(sampler_effect(v)),
             interval(logprob_effect(v)) if v.mode == "logprob" else None,
+            "sample mode: no logprobs" if v.mode == "sample" else "no completion measured",
         )
         for v in verdicts.providers
     ]
@@ -188,13 +189,13 @@ def _img(png: bytes, caption: str) -> str:
     return f"<figure><img alt='{text}' src='{figures.data_uri(png)}'><figcaption>{text}</figcaption></figure>"
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], classes: Sequence[str] | None = None) -> str:
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], classes: Sequence[str] | None = None, *, kind: str = "") -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     body = "".join(
         f"<tr class='{classes[i] if classes else ''}'>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
         for i, row in enumerate(rows)
     )
-    return f"<div class='wide'><table><tr>{head}</tr>{body}</table></div>"
+    return f"<div class='wide'><table class='{kind}'><tr>{head}</tr>{body}</table></div>"
 
 
 def _usd(value: float) -> str:
@@ -371,8 +372,8 @@ def render(
     excluded = sum(not r.is_candidate for r in providers)
     verdict_rows = []
     for v in verdicts.providers:
-        effects = "; ".join(f"{k} {e.value:.3g} [{e.ci_low:.3g}, {e.ci_high:.3g}]" for k, e in v.effects.items())
-        tests = "; ".join(
+        effects = "\n".join(f"{k} {e.value:.3g} [{e.ci_low:.3g}, {e.ci_high:.3g}]" for k, e in v.effects.items())
+        tests = "\n".join(
             f"{t.name}: p={t.p_value:.2g}" + (f" (adj {t.p_adjusted:.2g})" if t.p_adjusted is not None else "") for t in v.tests
         )
         power = ", ".join(f"{k} {p:.2f}" for k, p in v.power.items())
@@ -395,6 +396,7 @@ def render(
         ],
         verdict_rows,
         [v.verdict for v in verdicts.providers],
+        kind="detail",
     )
     dataset_rows = []
     for d in datasets:
@@ -450,7 +452,9 @@ def render(
 body{{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1040px;padding:0 1em;color:#222;line-height:1.4}}
 h2{{margin-top:1.6em;border-bottom:1px solid #ddd}} .wide{{overflow-x:auto}}
 table{{border-collapse:collapse;margin:0.8em 0;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:3px 6px;vertical-align:top}} th{{background:#f4f4f4;text-align:left}}
+td,th{{border:1px solid #ccc;padding:3px 6px;vertical-align:top;white-space:pre-line}}
+table.detail{{min-width:1500px}} table.detail td:nth-child(7),table.detail td:nth-child(8){{min-width:300px}}
+th{{background:#f4f4f4;text-align:left}}
 {colors} .skipped{{color:#777}}
 figure{{margin:0.8em 0}} img{{display:block;max-width:100%;height:auto}} figcaption{{font-size:13px;color:#555}}
 </style></head>
