@@ -63,6 +63,11 @@ def test_verdicts_match_the_roster_and_repeat(small: Project) -> None:
     assert verdicts["cost_usd"] == pytest.approx(sum(p["cost_usd"] for p in verdicts["providers"]))
     for provider in verdicts["providers"]:
         assert provider["mlflow_run_id"]
+        # Every completion asked for is measured or reported unusable with its reason (a
+        # coarse provider's first token may not pair: counted, never dropped).
+        asked = 8 * provider["rounds"] * (1 if provider["mode"] == "logprob" else 4)
+        assert provider["completions"] + sum(provider["unusable"].values()) == asked, provider
+        assert provider["failed_requests"] == sum(provider["unusable"].values()), provider
         if provider["mode"] == "logprob":
             assert provider["served_by"] == {provider["provider"]: provider["completions"] + provider["failed_requests"]}
     assert (small.root / "reports/verify/plots/chutes-unknown.png").read_bytes()[:4] == b"\x89PNG"
