@@ -3,8 +3,8 @@ under one parent run, every value scrubbed of secrets before it is written.
 
 A run whose process died without closing it (SIGKILL, a power cut) is ended KILLED by
 the next stage that starts on the same host: every run records its process
-(``quanthunt.process``: host, pid and start time). SIGTERM ends the stage's run KILLED
-before the process dies as it would have.
+(``quanthunt.process``: host, pid and start time). A stop (Ctrl-C, or SIGTERM, which
+the CLI turns into one) ends the run KILLED on the way out.
 
 Tracking URI: ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<repo root>/mlflow.db`` with
 artefacts in ``<repo root>/mlruns``, where the repo root is ``$DVC_ROOT`` (set by DVC)
@@ -24,14 +24,12 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -49,8 +47,6 @@ INVOCATION_TAG = "quanthunt.invocation"
 PROCESS_TAG = "quanthunt.process"
 """``host:pid:start-time`` of the process that owns a run (start time in clock ticks
 since boot, ``?`` where ``/proc`` is missing): tells a live owner from a dead one."""
-SIGTERM_CLOSE_S = 5.0
-"""How long SIGTERM waits for the store to record the run KILLED before the process dies."""
 STOP_EXIT_CODES = frozenset({130, 143})
 """Exit codes of a stop by Ctrl-C (130) or SIGTERM (143): a run ending with one is KILLED."""
 STALE_RUN_NOTE = "its process ended without closing the run (killed); ended at the next stage start"
@@ -327,36 +323,12 @@ def ended_status(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _killed_by_sigterm(close: Callable[[], None]) -> Iterator[None]:
-    """While the block runs, SIGTERM first calls ``close`` (given ``SIGTERM_CLOSE_S``), then
-    kills the process as SIGTERM would have. Only where SIGTERM has its default action and
-    in the main thread: a handler installed inside the block (a graceful stop) wins."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield
-        return
-
-    def on_sigterm(signum: int, _frame: object) -> None:
-        signal.signal(signum, signal.SIG_DFL)
-        closer = threading.Thread(target=close, name="mlflow-close", daemon=True)
-        closer.start()
-        closer.join(SIGTERM_CLOSE_S)
-        os.kill(os.getpid(), signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        if signal.getsignal(signal.SIGTERM) is on_sigterm:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-@contextlib.contextmanager
 def stage_run(stage: str, *, params: BaseModel, section: BaseModel, root: Path, experiment: str) -> Iterator[StageRun]:
     """An MLflow run for one stage execution, nested under the pipeline's parent run.
 
     First ends KILLED the runs of processes that died without closing them. On an
     exception the run ends FAILED with the (redacted) error as a tag, or KILLED for a stop
-    (see ``ended_status``); SIGTERM ends it KILLED before the process dies.
+    (see ``ended_status``).
     """
     client = _client(root)
     experiment_id = _experiment_id(client, experiment, root)
@@ -377,43 +349,36 @@ def stage_run(stage: str, *, params: BaseModel, section: BaseModel, root: Path, 
         "quanthunt.params_sha256": hashlib.sha256(json.dumps(section_json, sort_keys=True).encode()).hexdigest(),
         PROCESS_TAG: process_identity(),
     }
-    opened: list[StageRun] = []
     parent_id = None
-
-    def close_killed() -> None:
-        run_ids = [c.run_id for r in opened for c in r.children] + [r.run_id for r in opened]
-        for run_id in [*run_ids, *([parent_id] if parent_id else [])]:
-            with contextlib.suppress(Exception):
-                if run_id != parent_id:
-                    client.set_tag(run_id, "quanthunt.error", "stopped by SIGTERM")
-                client.set_terminated(run_id, status="KILLED")
-
-    with _killed_by_sigterm(close_killed):
-        if invocation := pipeline_invocation():
-            parent_id = _parent_run(client, experiment_id, invocation, tags)
-            run_tags["mlflow.parentRunId"] = parent_id
-        run_name = os.environ.get("DVC_STAGE") or stage
-        created = client.create_run(experiment_id, tags={k: redact(v) for k, v in run_tags.items()}, run_name=run_name)
-        run = StageRun(client, str(created.info.run_id), root)
-        opened.append(run)
-        status = "FAILED"
-        try:
-            run.log_params(section_json)
-            run.log_dict(params.model_dump(mode="json"), "params.resolved.json")
-            yield run
-            status = "FINISHED"
-        except BaseException as exc:
-            status = ended_status(exc)
-            message = str(exc) if isinstance(exc, QuanthuntError) else f"{exc.__class__.__name__}: {exc}"
-            with contextlib.suppress(Exception):
-                run.set_tags({"quanthunt.error": message[:1000]})
-            raise
-        finally:
-            for child in run.children:
-                client.set_terminated(child.run_id, status=status)
-            client.set_terminated(run.run_id, status=status)
-            if parent_id:
-                client.set_terminated(parent_id, status=status)
+    if invocation := pipeline_invocation():
+        parent_id = _parent_run(client, experiment_id, invocation, tags)
+        run_tags["mlflow.parentRunId"] = parent_id
+    run_name = os.environ.get("DVC_STAGE") or stage
+    created = client.create_run(experiment_id, tags={k: redact(v) for k, v in run_tags.items()}, run_name=run_name)
+    run = StageRun(client, str(created.info.run_id), root)
+    status = "FAILED"
+    try:
+        run.log_params(section_json)
+        run.log_dict(params.model_dump(mode="json"), "params.resolved.json")
+        yield run
+        status = "FINISHED"
+    except BaseException as exc:
+        status = ended_status(exc)
+        if isinstance(exc, QuanthuntError):
+            message = str(exc)
+        elif status == "KILLED":
+            message = "stopped by Ctrl-C or SIGTERM"
+        else:
+            message = f"{exc.__class__.__name__}: {exc}"
+        with contextlib.suppress(Exception):
+            run.set_tags({"quanthunt.error": message[:1000]})
+        raise
+    finally:
+        for child in run.children:
+            client.set_terminated(child.run_id, status=status)
+        client.set_terminated(run.run_id, status=status)
+        if parent_id:
+            client.set_terminated(parent_id, status=status)
 
 
 def latest_stage(root: Path, experiment: str) -> str | None:

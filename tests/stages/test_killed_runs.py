@@ -1,11 +1,13 @@
-"""A stage killed mid-run leaves no MLflow run RUNNING forever: SIGTERM ends its run
-KILLED on the way out, and after SIGKILL the next stage start ends it KILLED."""
+"""A stage killed mid-run leaves no MLflow run RUNNING forever: SIGTERM (a stop, like
+Ctrl-C) ends its run KILLED on the way out, and after SIGKILL the next stage start ends
+it KILLED."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from fixtures.project import BIN, Project
@@ -40,6 +42,19 @@ def running_run(project: Project, stage: str, proc: subprocess.Popen[str], *, ti
     raise AssertionError(f"no RUNNING {stage} run within {timeout} s")
 
 
+def wait_for_child(proc: subprocess.Popen[str], *, timeout: float = 60) -> None:
+    """Until the stage has started its sandbox (then it waits on it; a signal that lands
+    during the fork itself can be lost: see the report of issue 14)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+            time.sleep(0.5)
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the stage started no child within {timeout} s")
+
+
 def status(project: Project, run_id: str) -> str:
     return str(project.mlflow().get_run(run_id).info.status)
 
@@ -64,9 +79,10 @@ def test_sigkilled_stage_run_ends_killed_at_the_next_start(project: Project) -> 
 def test_sigterm_ends_the_stage_run_killed_at_once(project: Project) -> None:
     proc = start(project, "survey", "--params", "params.yaml")
     stopped = running_run(project, "survey", proc)
+    wait_for_child(proc)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGTERM  # still dies by SIGTERM, as before
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0, stdout + stderr
     run = project.mlflow().get_run(stopped.info.run_id)
-    assert run.info.status == "KILLED"
-    assert run.data.tags["quanthunt.error"] == "stopped by SIGTERM"
+    assert run.info.status == "KILLED", stderr
+    assert run.data.tags["quanthunt.error"] == "stopped by Ctrl-C or SIGTERM"
