@@ -240,18 +240,22 @@ def survey_section(providers: Sequence[ProviderRow], verdicts: Verdicts, by_tag:
     the verdict, and whether it served data."""
     audited = {v.tag: v for v in verdicts.providers}
     excluded = [r for r in providers if not r.is_candidate]
+    checked = [r.provider for r in excluded if r.tag in audited]
     rows, classes = [], []
     for r in providers:
         v = audited.get(r.tag)
         s = by_tag.get(r.tag)
         rows.append([r.provider, r.tag, r.declared_quantization, f"{r.prompt_usd_per_m:.2f}", f"{r.completion_usd_per_m:.2f}",
-                     r.status, r.uptime_last_30m, "yes" if r.supports_logprobs else "no", r.reason,
+                     "" if r.status is None else r.status, "" if r.uptime_last_30m is None else r.uptime_last_30m,
+                     "yes" if r.supports_logprobs else "no", r.reason,
                      f"audited: {v.verdict}" if v else "not audited", s.records.total() if s else 0])  # fmt: skip
         classes.append(v.verdict if v else "skipped")
     lead = (
         f"<p>{len(providers)} endpoints surveyed; {len(providers) - len(excluded)} candidate(s); {len(excluded)} excluded by "
         f"the policy ({html.escape('; '.join(f'{r.provider}: {r.reason}' for r in excluded)) or 'none'}). "
-        f"{len(audited)} audited (the candidates, and excluded ones audited to check what they declare); "
+        f"{len(audited)} audited, {len(checked)} of them excluded ones audited to check what they declare"
+        f"{' (' + html.escape(', '.join(checked)) + ')' if checked else ''}; "
+        f"{sum(not r.is_candidate and r.tag not in audited for r in providers)} not audited; "
         "only candidates found equivalent serve training data.</p>"
     )
     headers = ["provider", "tag", "declares", "$/M in", "$/M out", "status", "uptime %", "logprobs", "survey decision",
