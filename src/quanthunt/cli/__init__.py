@@ -25,7 +25,12 @@ stages.register(app)
 app.command(rich_help_panel="Provenance")(compare.compare)
 
 
+_received: list[str] = []
+"""Stop signals received, in order."""
+
+
 def _interrupt(signum: int, frame: object) -> None:
+    _received.append(signal.Signals(signum).name)
     raise KeyboardInterrupt
 
 
@@ -34,13 +39,21 @@ def main() -> None:
 
     SIGINT and SIGTERM interrupt whatever runs (exit 130), even when SIGINT was inherited
     ignored (a stage started in the background of a script); the generate stage replaces
-    both with its own graceful stop while it sends requests (``quanthunt.interrupts``)."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
+    both with its own graceful stop while it sends requests (``quanthunt.interrupts``).
+    Python drops an exception raised while it forks (``Exception ignored in
+    _releaseLock``): a signal that lands then still ends the command with 130."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     try:
         app()
     except QuanthuntError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
+        sys.exit(130)
+    except SystemExit as exc:
+        if not _received or exc.code not in (0, None):
+            raise
+    if _received:
+        print(f"error: interrupted by {_received[0]}", file=sys.stderr)
         sys.exit(130)
