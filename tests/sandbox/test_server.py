@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from quanthunt.errors import SandboxError
+from quanthunt.errors import ConfigError
 from quanthunt.sandbox.server import SandboxProcess, is_loopback
 
 
@@ -41,8 +42,8 @@ def test_bad_roster_is_one_line_naming_file_and_field(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().startswith(f"error: {roster}: providers.0.precision")
     assert "Traceback" not in result.stderr
-    with pytest.raises(SandboxError, match=r"providers\.0\.precision"):
-        SandboxProcess(mode="latency", roster=roster).start()
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(roster))}: providers\.0\.precision"):
+        SandboxProcess(mode="latency", roster=roster).start()  # checked before the child starts
 
 
 def test_port_in_use_is_a_clear_error() -> None:
