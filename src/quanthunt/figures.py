@@ -105,6 +105,13 @@ def png(fig: Any) -> bytes:
     return data
 
 
+def _counts(ax: Any) -> None:
+    """Whole-number ticks on a count axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _ecdf(ax: Any, values: Sequence[float], label: str, *, right: float | None = None, **style: Any) -> None:
     """The empirical CDF, drawn on to ``right`` (so values all at one point still show a line)."""
     if not values:
@@ -154,6 +161,7 @@ def logprob_audit(
     middle.set_xlim(0, upper)
     middle.set_xlabel("mean |Δ logprob| per completion")
     middle.set_ylabel("completions")
+    _counts(middle)
     middle.legend(fontsize=7)
     _e_process(right, wealth, threshold)
     return png(fig)
@@ -180,6 +188,7 @@ def sample_audit(
             middle.hist(values, bins=bins, histtype="stepfilled", alpha=0.45, color=color, label=label)
     middle.set_xlabel("rank z")
     middle.set_ylabel("completions")
+    _counts(middle)
     middle.legend(fontsize=7)
     _e_process(right, wealth, threshold)
     return png(fig)

@@ -457,7 +457,8 @@ body{{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1040px;paddin
 h2{{margin-top:1.6em;border-bottom:1px solid #ddd}} .wide{{overflow-x:auto}}
 table{{border-collapse:collapse;margin:0.8em 0;font-size:13px}}
 td,th{{border:1px solid #ccc;padding:3px 6px;vertical-align:top;white-space:pre-line}}
-table.detail{{min-width:1500px}} table.detail td:nth-child(7),table.detail td:nth-child(8){{min-width:300px}}
+table.detail{{min-width:1500px}} table.detail td:nth-child(6){{min-width:200px}}
+table.detail td:nth-child(7),table.detail td:nth-child(8){{min-width:300px}}
 th{{background:#f4f4f4;text-align:left}}
 {colors} .skipped{{color:#777}}
 figure{{margin:0.8em 0}} img{{display:block;max-width:100%;height:auto}} figcaption{{font-size:13px;color:#555}}
