@@ -414,6 +414,8 @@ class Engine:
         """Finished attempts of each turn not yet written, by billing (earlier runs' too)."""
         self._unreachable_since: float | None = None
         """When the current unbroken run of connection failures began (None: the gateway answers)."""
+        self._unreachable: GatewayError | None = None
+        """The latest connection failure of that run."""
         self._write_error: BaseException | None = None
 
     def stop(self, reason: str, *, fatal: StopRun | None = None) -> None:
@@ -469,7 +471,13 @@ class Engine:
                 task.cancel()
         if self._write_error is not None:
             raise self._write_error
+        if self.progress.records_failed and self._unreachable is not None:
+            self._stop_unreachable()  # records gave up on their retries before the 5 s were up
         return self.progress
+
+    def _stop_unreachable(self) -> None:
+        hint = "the gateway cannot be reached"
+        self.stop(hint, fatal=StopRun(f"{hint} ({self._unreachable}); nothing more was sent", EXIT_BAD_INPUT))
 
     async def _record(self, record: PromptRecord) -> None:
         try:
@@ -695,13 +703,14 @@ class Engine:
             self.stop(hint, fatal=StopRun(f"{hint}: {error}", EXIT_BAD_INPUT))
             return "stop"
         if kind != "connect":
-            self._unreachable_since = None
-        elif self._unreachable_since is None:
-            self._unreachable_since = time.monotonic()
-        elif time.monotonic() - self._unreachable_since >= GATEWAY_UNREACHABLE_S:
-            hint = "the gateway cannot be reached"
-            self.stop(hint, fatal=StopRun(f"{hint} ({error}) for {GATEWAY_UNREACHABLE_S:g} s", EXIT_BAD_INPUT))
-            return "stop"
+            self._unreachable_since, self._unreachable = None, None
+        else:
+            self._unreachable = error
+            if self._unreachable_since is None:
+                self._unreachable_since = time.monotonic()
+            elif time.monotonic() - self._unreachable_since >= GATEWAY_UNREACHABLE_S:
+                self._stop_unreachable()
+                return "stop"
         if kind == "http_429":
             self.cooldown.extend(error.retry_after_s if error.retry_after_s is not None else 1.0)
         if retry:
@@ -719,7 +728,7 @@ class Engine:
         usage = reply.usage
         cost = usage.cost if usage is not None and usage.cost is not None else worst
         self.budget.settle(worst, cost)
-        self._unreachable_since = None
+        self._unreachable_since, self._unreachable = None, None
         self._count(key, "billed")
         self._record_costs[key.record_id] = self._record_costs.get(key.record_id, 0.0) + cost
         prompt_tokens = usage.prompt_tokens if usage else 0
