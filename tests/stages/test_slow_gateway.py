@@ -9,10 +9,10 @@ halves on each timeout, timed-out probes are retried under it, and every probe i
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import httpx
+from fixtures.audits import audit_at, verdicts_by_tag
 from fixtures.project import Project
 from fixtures.sandbox import AUTH, roster_dict
 from fixtures.sandbox import provider as roster_provider
@@ -29,20 +29,17 @@ def test_a_gateway_that_queues_slows_the_audit_but_every_probe_is_used(
     sandbox = latency_sandbox(
         roster_dict(roster_provider("alpha", **slow), roster_provider("beta", supports_logprobs=False, **slow))
     )
-    project.set_param("api.base_url", sandbox.api_url)
-    project.set_param("reference.base_url", sandbox.reference_url)
-    project.set_param("verify.probes.prompts", PROMPTS)
-    project.set_param("verify.max_probes_per_provider", PROMPTS)  # one round: mechanics, not power
-    project.set_param("verify.probes.max_tokens", 8)
-    project.set_param("verify.decision.mixture_detection_tokens", 8)
-    project.set_param("verify.concurrency", 256)
-    project.set_param("verify.request_timeout_s", 1.0)  # + 8 tokens at 10/s: 1.8 s; the queue is ~9 s deep
-    assert project.run("survey", "--params", "params.yaml").returncode == 0
-
-    done = project.run("verify", "--params", "params.yaml")
+    params = {
+        "verify.probes.prompts": PROMPTS,
+        "verify.max_probes_per_provider": PROMPTS,  # one round: mechanics, not power
+        "verify.probes.max_tokens": 8,
+        "verify.decision.mixture_detection_tokens": 8,
+        "verify.concurrency": 256,
+        "verify.request_timeout_s": 1.0,  # + 8 tokens at 10/s: 1.8 s; the queue is ~9 s deep
+    }
+    done = audit_at(project, sandbox, params)
     assert done.returncode == 0, done.stderr
-    verdicts = json.loads((project.root / "reports/verify/verdicts.json").read_text())
-    by_tag = {p["tag"]: p for p in verdicts["providers"]}
+    by_tag = verdicts_by_tag(project)
     alpha, beta = by_tag["alpha/int4"], by_tag["beta/int4"]
     assert "failed" not in alpha["reason"], alpha["reason"]
     assert "failed" not in beta["reason"], beta["reason"]

@@ -9,6 +9,7 @@ import json
 import re
 from collections.abc import Callable
 
+from fixtures.audits import audit_at, verdicts_by_tag
 from fixtures.project import Project
 from fixtures.sandbox import provider as roster_provider
 from fixtures.sandbox import roster_dict
@@ -28,17 +29,14 @@ def test_every_probe_is_measured_or_reported_unusable_with_its_reason(
     sandbox = latency_sandbox(
         roster_dict(roster_provider("alpha", **empty), roster_provider("beta", supports_logprobs=False, **empty))
     )
-    project.set_param("api.base_url", sandbox.api_url)
-    project.set_param("reference.base_url", sandbox.reference_url)
-    project.set_param("verify.probes.prompts", PROMPTS)
-    project.set_param("verify.max_probes_per_provider", PROMPTS)
-    project.set_param("verify.decision.max_failed_share", 0.9)  # keep auditing: this is about the accounting
-    assert project.run("survey", "--params", "params.yaml").returncode == 0
-    done = project.run("verify", "--params", "params.yaml")
+    params = {
+        "verify.probes.prompts": PROMPTS,
+        "verify.max_probes_per_provider": PROMPTS,
+        "verify.decision.max_failed_share": 0.9,  # keep auditing: this is about the accounting
+    }
+    done = audit_at(project, sandbox, params)
     assert done.returncode == 0, done.stderr
-
-    verdicts = json.loads((project.root / "reports/verify/verdicts.json").read_text())
-    by_tag = {p["tag"]: p for p in verdicts["providers"]}
+    by_tag = verdicts_by_tag(project)
     alpha, beta = by_tag["alpha/int4"], by_tag["beta/int4"]
     for audited, asked, reason in ((alpha, PROMPTS, "no_logprobs"), (beta, 3 * PROMPTS, "empty_completion")):
         assert set(audited["unusable"]) == {reason}, audited
@@ -61,11 +59,7 @@ def test_measured_precision_names_the_effect_and_its_margin(
     project: Project, latency_sandbox: Callable[..., SandboxProcess]
 ) -> None:
     sandbox = latency_sandbox(roster_dict(roster_provider("alpha")))
-    project.set_param("api.base_url", sandbox.api_url)
-    project.set_param("reference.base_url", sandbox.reference_url)
-    project.set_param("verify.probes.prompts", PROMPTS)
-    assert project.run("survey", "--params", "params.yaml").returncode == 0
-    done = project.run("verify", "--params", "params.yaml")
+    done = audit_at(project, sandbox, {"verify.probes.prompts": PROMPTS})
     assert done.returncode == 0, done.stderr
     (alpha,) = json.loads((project.root / "reports/verify/verdicts.json").read_text())["providers"]
     assert alpha["verdict"] == "equivalent", alpha["reason"]
