@@ -128,5 +128,5 @@ def test_a_monitor_whose_replies_were_never_scored_still_reports(tmp_path: Path)
     monitor = ProviderMonitor("b/int4", "logprob", False, Margins(), 40.0, 4)
     monitor.restore(state)
     assert (monitor.served, monitor.fed, monitor.checkpoint) == (3, 3, 0)
-    page = monitor_section([DatasetView("chat", [], {"providers": [{"tag": "b/int4", "monitor": card}]}, None, None)])
+    page = monitor_section([DatasetView("chat", [], {"providers": [{"tag": "b/int4", "monitor": card}]}, None)])
     assert "b/int4" in page and "<img" not in page
