@@ -25,7 +25,7 @@ from rich.live import Live
 from rich.table import Table
 
 from quanthunt.connection import Targets, open_targets
-from quanthunt.errors import EXIT_OUT_OF_BUDGET, ConfigError
+from quanthunt.errors import EXIT_INTERRUPTED, EXIT_OUT_OF_BUDGET, ConfigError
 from quanthunt.gateway import AiohttpChat, Gateway, GatewayError, Routing, resolve_api_key
 from quanthunt.generation import (
     Eligible,
@@ -43,7 +43,7 @@ from quanthunt.generation import (
     reconcile_earlier,
     working_file,
 )
-from quanthunt.interrupts import EXIT_INTERRUPTED, StopSignals
+from quanthunt.interrupts import StopSignals
 from quanthunt.ledger import Ledger, LedgerWriter
 from quanthunt.locking import exclusive
 from quanthunt.monitoring import LOGPROB_TOP, UNLOGGED, Monitoring, check_reference, monitors_for, stopped_providers
@@ -284,8 +284,9 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             with open_targets(params, root=root, stage=f"generate-{dataset}", needs_model=True) as targets:
                 job, engine, signals, counts = asyncio.run(run(params, root, dataset, targets, console, total=total))
             progress, budget = engine.progress, engine.budget
+            headline = summary(job, engine)
             detail = {
-                **summary(job, progress, engine),
+                **headline,
                 "skipped_reasons": dict(progress.skipped_reasons),
                 "retries": dict(progress.retries),
                 "errors": dict(progress.errors),
@@ -311,11 +312,12 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
                 mlflow_run.log_output(output)
             reports = root / paths.generate_reports
             write_atomic(reports / f"{dataset}.detail.json", (json.dumps(detail, indent=2) + "\n").encode())
-            write_atomic(reports / f"{dataset}.json", (json.dumps(summary(job, progress, engine), indent=2) + "\n").encode())
+            write_atomic(reports / f"{dataset}.json", (json.dumps(headline, indent=2) + "\n").encode())
 
 
-def summary(job: Job, progress: Progress, engine: Engine) -> dict[str, object]:
+def summary(job: Job, engine: Engine) -> dict[str, object]:
     """The run's headline figures: the DVC metrics (narrow: the detail file has the rest)."""
+    progress = engine.progress
     return {
         "records_total": progress.records_total,
         "records_done": progress.records_done_before + progress.records_done,

@@ -6,6 +6,9 @@ EXIT_BAD_INPUT = 2
 """Bad params, files or replies: one clear line naming the problem (like argparse)."""
 EXIT_OUT_OF_BUDGET = 75
 """EX_TEMPFAIL: the money ran out; top up and rerun to resume."""
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, as shells report a Ctrl-C; a SIGTERM stop ends the same way (the CLI
+turns both into a stop): rerun to resume."""
 
 
 class QuanthuntError(Exception):

@@ -914,20 +914,19 @@ def working_file(folder: Path, dataset: str, params_hash: str) -> Path:
     return folder / f"{dataset}-{params_hash[:12]}.jsonl"
 
 
-def adopt_published(published: Path, working: Path, params_hash: str) -> bool:
+def adopt_published(published: Path, working: Path, params_hash: str) -> None:
     """Start ``working`` from the published file when it holds these params' records (a
     project generated before working files existed keeps its bytes, so DVC reruns nothing)."""
     if working.exists() or not published.exists():
-        return False
+        return
     with published.open("rb") as fh:
         first = fh.readline()
     try:
         same = json.loads(first)["provenance"]["params_sha256"] == params_hash
     except (ValueError, KeyError, TypeError):
-        return False
+        return
     if same:
         _copy_atomic(published, working)
-    return bool(same)
 
 
 def publish(working: Path, published: Path) -> None:

@@ -24,8 +24,6 @@ from types import TracebackType
 from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-EXIT_INTERRUPTED = 130
-"""128 + SIGINT, as shells report a Ctrl-C; SIGTERM ends the same way (the stop was asked for)."""
 
 
 class StopSignals:

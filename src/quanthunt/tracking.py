@@ -37,7 +37,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from quanthunt import __version__
-from quanthunt.errors import QuanthuntError
+from quanthunt.errors import EXIT_INTERRUPTED, QuanthuntError
 from quanthunt.redaction import redact, redact_data
 
 PARAM_VALUE_LIMIT = 6000
@@ -47,8 +47,6 @@ INVOCATION_TAG = "quanthunt.invocation"
 PROCESS_TAG = "quanthunt.process"
 """``host:pid:start-time`` of the process that owns a run (start time in clock ticks
 since boot, ``?`` where ``/proc`` is missing): tells a live owner from a dead one."""
-STOP_EXIT_CODES = frozenset({130, 143})
-"""Exit codes of a stop by Ctrl-C (130) or SIGTERM (143): a run ending with one is KILLED."""
 STALE_RUN_NOTE = "its process ended without closing the run (killed); ended at the next stage start"
 
 
@@ -314,12 +312,12 @@ def end_stale_runs(client: Any, experiment_id: str) -> list[str]:
 
 def ended_status(exc: BaseException) -> str:
     """MLflow's end status for a stage stopped by ``exc``: KILLED for a stop (Ctrl-C,
-    SIGTERM: ``KeyboardInterrupt``, or an exit code 130 or 143, e.g. a graceful stop's own
+    SIGTERM: ``KeyboardInterrupt``, or ``EXIT_INTERRUPTED``, e.g. a graceful stop's own
     error), FAILED for anything else."""
     if isinstance(exc, KeyboardInterrupt):
         return "KILLED"
     code = exc.code if isinstance(exc, SystemExit) else getattr(exc, "exit_code", None)
-    return "KILLED" if code in STOP_EXIT_CODES else "FAILED"
+    return "KILLED" if code == EXIT_INTERRUPTED else "FAILED"
 
 
 @contextlib.contextmanager

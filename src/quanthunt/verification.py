@@ -206,8 +206,13 @@ async def with_retries(call: Callable[[], Awaitable[T]], *, attempts: int, error
             errors[exc.kind] += 1
             if exc.kind not in RETRYABLE or attempt == attempts:
                 raise
-            await asyncio.sleep(min(exc.retry_after_s if exc.retry_after_s is not None else 0.2 * 2**attempt, 10.0))
+            await asyncio.sleep(backoff_s(exc, attempt))
     raise AssertionError("unreachable")
+
+
+def backoff_s(error: GatewayError, attempt: int) -> float:
+    """The pause before retry ``attempt + 1``: Retry-After when given, else exponential, at most 10 s."""
+    return min(error.retry_after_s if error.retry_after_s is not None else 0.2 * 2**attempt, 10.0)
 
 
 def probe_timeout(request_timeout_s: float) -> httpx.Timeout:
@@ -472,8 +477,7 @@ class Auditor:
             attempts += 1
             if error.kind not in RETRYABLE or attempts >= self.design.max_attempts:
                 raise error
-            pause = error.retry_after_s if error.retry_after_s is not None else 0.2 * 2**attempts
-            await asyncio.sleep(min(pause, 10.0))
+            await asyncio.sleep(backoff_s(error, attempts))
 
     async def _score_text(
         self, probe: Probe, index: int, source: str, ids: list[int], errors: Counter[str], *, seq: int

@@ -9,7 +9,7 @@ import sys
 import typer
 
 from quanthunt.cli import compare, reference, sandbox, stages
-from quanthunt.errors import QuanthuntError
+from quanthunt.errors import EXIT_INTERRUPTED, QuanthuntError
 from quanthunt.redaction import redact
 
 app = typer.Typer(
@@ -50,10 +50,10 @@ def main() -> None:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except SystemExit as exc:
         if not _received or exc.code not in (0, None):
             raise
     if _received:
         print(f"error: interrupted by {_received[0]}", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
