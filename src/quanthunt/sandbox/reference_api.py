@@ -5,7 +5,11 @@ roster's ``reference_flavour``; the server root is ``/reference``, its API ``/re
 - ``POST /v1/completions``: ``echo: true`` with ``logprobs: k`` returns the teacher-forced
   logprob of every prompt token, which is how a verifier scores a provider's completion at
   the reference; ``prompt`` may be text or a list of token ids;
-- ``POST /tokenize`` / ``detokenize``; ``GET /v1/models``.
+- ``POST /tokenize`` / ``detokenize``; ``GET /v1/models``;
+- ``POST /v1/chat/completions/render`` (vLLM only): the ``GenerateRequest`` a chat request
+  becomes, its ``token_ids`` the chat template's (as ``/tokenize`` with ``messages``,
+  ``add_generation_prompt`` and the thinking switch alike). A real vLLM 0.32 serves it only
+  when started with ``--enable-scale-out`` (else 403); the sandbox imitates one that was.
 
 Where the two servers differ (each checked against recorded vLLM 0.32 replies in
 ``tests/contracts/replies/`` or read from SGLang's source):
@@ -14,6 +18,7 @@ Where the two servers differ (each checked against recorded vLLM 0.32 replies in
 |---|---|---|
 | tokenize, detokenize | server root only | root and ``/v1``; text only, no ``messages`` |
 | chat prompt ids | ``/tokenize`` with ``messages`` | chat ``return_prompt_token_ids`` |
+| chat render | ``/v1/chat/completions/render`` | no (404) |
 | echo ``max_tokens: 0`` | accepted | 400 |
 | echoed ``top_logprobs`` | top k, plus the scored token first when outside them | top k only |
 | token names | in context, ``""`` for a partial UTF-8 piece; ``token_id:N`` on request | in context; no ids |
@@ -45,6 +50,31 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+_SAMPLING_DEFAULTS = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+}
+"""The numeric ``SamplingParams`` a vLLM chat request always sets (in vLLM's order)."""
+
+_TRUE = {"1", "on", "t", "true", "y", "yes"}
+_FALSE = {"0", "off", "f", "false", "n", "no"}
+
+
+def _lax_bool(value: Any, name: str) -> bool:
+    """A boolean as vLLM's pydantic models read one: also 0/1 and "yes", "off", ..."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise BadRequest(f"{name}: Input should be a valid boolean")
+
+
 def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
     """Routes of the reference deployment over ``engine`` at the reference precision."""
 
@@ -63,6 +93,20 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
             raise BadRequest("chat_template_kwargs must be an object")
         profile = roster.model.reasoning
         return profile is None or bool(kwargs.get(profile.template_kwarg, True))
+
+    def add_generation_prompt(data: dict[str, Any]) -> bool:
+        return _lax_bool(data.get("add_generation_prompt", True), "add_generation_prompt")
+
+    def chat_prompt_ids(data: dict[str, Any]) -> list[int]:
+        """The chat template's ids for ``messages`` (vLLM's ``/tokenize`` with messages and
+        its chat render): ready for the assistant (the reasoning profile's thinking block
+        opened or rendered empty, per ``chat_template_kwargs``) or, with
+        ``add_generation_prompt: false``, the conversation alone."""
+        messages = parse_messages(data.get("messages"))
+        enabled = thinking_enabled(data)
+        if add_generation_prompt(data):
+            return thinking.prompt_ids(engine, messages, roster.model.reasoning, enabled=enabled)
+        return engine.encode_chat(messages, add_generation_prompt=False)
 
     def seed_of(data: dict[str, Any]) -> int:
         seed = data.get("seed")
@@ -212,12 +256,7 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
             data = parse_json_object(await request.body())
             check_model(data)
             if "messages" in data and not sglang:
-                add = data.get("add_generation_prompt", True)
-                messages = parse_messages(data["messages"])
-                if add and roster.model.reasoning is not None:
-                    ids = thinking.prompt_ids(engine, messages, roster.model.reasoning, enabled=thinking_enabled(data))
-                else:
-                    ids = engine.encode_chat(messages, add_generation_prompt=bool(add))
+                ids = chat_prompt_ids(data)
             elif isinstance(data.get("prompt"), str):
                 ids = engine.encode_text(data["prompt"])
             else:
@@ -231,6 +270,83 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
                 "tokens": ids,
                 "token_strs": [engine.token_info(i).text for i in ids],
             }
+        )
+
+    async def render_chat(request: Request) -> Response:
+        """vLLM's ``/v1/chat/completions/render``: the ``GenerateRequest`` a chat request
+        becomes (its templated prompt ids and sampling parameters), nothing generated."""
+        try:
+            data = parse_json_object(await request.body())
+            check_model(data)
+            ids = chat_prompt_ids(data)
+            sampling = render_sampling(data, len(ids))
+        except BadRequest as exc:
+            return _error(exc.status, str(exc))
+        sent_id = data.get("request_id")
+        request_id = request.headers.get("x-request-id") or (sent_id if isinstance(sent_id, str) else secrets.token_hex(8))
+        # A reasoning parser's view (vLLM's server with one, as the reasoning profile is):
+        # the template's kwargs, and whether the prompt ends with the thinking block closed.
+        profile, add = roster.model.reasoning, add_generation_prompt(data)
+        template_kwargs = {
+            **(data.get("chat_template_kwargs") or {}),
+            "add_generation_prompt": add,
+            "continue_final_message": False,
+        }
+        return JSONResponse(
+            {
+                "request_id": f"chatcmpl-{request_id}",
+                "token_ids": ids,
+                "token_offsets": None,
+                "features": None,
+                "content_parts": None,
+                "sampling_params": sampling,
+                "model": data.get("model"),  # as sent: null when the request named none
+                "reasoning_ended": None if profile is None else add and not thinking_enabled(data),
+                "reasoning_parser_kwargs": None if profile is None else {"chat_template_kwargs": template_kwargs},
+                "return_token_ids": None,
+                "output_mode": "tokens",
+                "stream": bool(data.get("stream", False)),
+                "stream_options": None,
+                "cache_salt": None,
+                "priority": 0,
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+            }
+        )
+
+    def render_sampling(data: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
+        """``SamplingParams`` as vLLM serializes them for a chat request (defaults left out,
+        as msgspec does, but for the ones its chat request sets explicitly)."""
+        max_len = min(roster.model.context_length, engine.context_length)
+        if prompt_tokens > max_len:
+            raise BadRequest(f"Input length ({prompt_tokens}) exceeds model's maximum context length ({max_len}).")
+        asked = data.get("max_completion_tokens", data.get("max_tokens"))
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
+            raise BadRequest("max_tokens must be a positive integer")
+        if asked is not None and asked > max_len:
+            raise BadRequest(f"max_tokens={asked} cannot be greater than max_model_len={max_len}.")
+        numbers = {}
+        for name, default in _SAMPLING_DEFAULTS.items():
+            value = data.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise BadRequest(f"{name} must be a number")
+            numbers[name] = float(default if value is None else value)
+        if numbers["temperature"] < 1e-5:  # greedy: vLLM resets top_p and min_p to their defaults, left out
+            del numbers["top_p"], numbers["min_p"]
+        seed = data.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise BadRequest("seed must be an integer")
+        top = data.get("top_logprobs")
+        return (
+            numbers
+            | ({"seed": seed} if seed is not None else {})
+            | {
+                "stop": list(parse_stop(data.get("stop"))),
+                "stop_token_ids": [],
+                "max_tokens": min(max_len - prompt_tokens, asked if asked is not None else max_len),
+            }
+            | ({"logprobs": top if isinstance(top, int) else 0} if data.get("logprobs") else {})
+            | {"output_kind": 2, "skip_clone": True, "bad_words": [], "skip_reading_prefix_cache": False}
         )
 
     async def detokenize(request: Request) -> Response:
@@ -251,6 +367,7 @@ def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
         Route("/reference/v1/models", models),
         Route("/reference/v1/chat/completions", chat, methods=["POST"]),
         Route("/reference/v1/completions", completions, methods=["POST"]),
+        *([] if sglang else [Route("/reference/v1/chat/completions/render", render_chat, methods=["POST"])]),
         Route("/reference/tokenize", tokenize, methods=["POST"]),
         Route("/reference/detokenize", detokenize, methods=["POST"]),
         *(
