@@ -225,7 +225,7 @@ def test_a_resumed_record_asks_only_for_the_turns_an_earlier_run_did_not_finish(
     assert chat.calls == 1
     assert [t["content"] for t in line["conversations"] if t["role"] == "assistant"] == ["earlier answer", "answer 1"]
     assert line["provenance"]["usage"]["cost_usd"] == pytest.approx(0.03)
-    assert line["provenance"]["generation_ids"] == ["gen-old", "gen-1"]
+    assert [t["generation_id"] for t in line["provenance"]["turns"]] == ["gen-old", "gen-1"]
     assert engine.done_turns == {}
 
 
@@ -271,10 +271,11 @@ def test_each_turn_names_the_endpoint_of_its_provider_that_served_it(tmp_path: P
     assert {r["id"] for r in written} == set(ids)
     for record in written:
         (turn,) = record["provenance"]["turns"]
-        assert turn["endpoint_tag"] == chat.served[turn["generation_id"]] == record["provenance"]["endpoint_tag"]
-        assert turn["provider"] == record["provenance"]["provider"] == "DeepInfra"
+        assert turn["endpoint_tag"] == chat.served[turn["generation_id"]]
         declared = {"deepinfra": "bf16", "deepinfra/turbo": "fp8"}[turn["endpoint_tag"]]
-        assert record["provenance"]["declared_quantization"] == declared
+        assert turn["provider"] == "DeepInfra" and turn["declared_quantization"] == declared
+        (served,) = record["provenance"]["providers"]
+        assert served == {k: turn[k] for k in ("provider", "endpoint_tag", "declared_quantization", "verdict", "verdict_run_id")}
     assert set(ran.engine.progress.providers) == {"deepinfra", "deepinfra/turbo"}
     ignored = {tuple(b["provider"]["only"]): b["provider"].get("ignore") for b in chat.bodies}
     assert ignored == {("deepinfra",): ["deepinfra/turbo"], ("deepinfra/turbo",): None}

@@ -100,6 +100,10 @@ class Sampling:
         return int(hashlib.sha256(f"{self.seed}:{record_id}:{turn}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
 
 
+TURN_FIELDS = ("generation_id", "finish_reason", "prompt_tokens", "completion_tokens", "cost_usd", "monitor")
+"""What a turn's provenance copies from its reply."""
+
+
 @dataclass(frozen=True)
 class Eligible:
     """An endpoint generation may use, as verification judged it."""
@@ -115,6 +119,18 @@ class Eligible:
     siblings: tuple[str, ...] = ()
     """The gateway's other endpoint tags (``Routing.pin`` ignores the variants a base slug
     would also reach)."""
+    verdict_run_id: str | None = None
+    """The MLflow run that measured this endpoint (nested in the verification run)."""
+
+    def provenance(self) -> dict[str, str | None]:
+        """Who served a turn, as its provenance names it."""
+        return {
+            "provider": self.name,
+            "endpoint_tag": self.tag,
+            "declared_quantization": self.declared_quantization,
+            "verdict": self.verdict,
+            "verdict_run_id": self.verdict_run_id,
+        }
 
     @property
     def weight(self) -> float:
@@ -539,16 +555,22 @@ class Engine:
             if reply.get("reasoning"):
                 turn["reasoning_content"] = reply["reasoning"]
             conversation.append(turn)
-        providers = sorted({r["provider"] for r in replies})
-        tags = sorted({r["endpoint_tag"] for r in replies})
-        first = self._endpoints[replies[0]["endpoint_tag"]]
         costs = self._record_costs.get(record.id, 0.0)
         attempts = [self._attempts.get((record.id, turn), Counter()) for turn in range(len(replies))]
+        turns = [
+            {
+                **self._served_by(r),
+                "verification_run_id": self.job.verification_run_id,
+                **{k: r.get(k) for k in TURN_FIELDS},
+                # Every attempt of every run, not only the one that succeeded.
+                "attempts": a.total(),
+                "attempts_by_billing": {b: a[b] for b in BILLING},
+            }
+            for r, a in zip(replies, attempts, strict=True)
+        ]
+        served_by = {r["endpoint_tag"]: self._served_by(r) for r in replies}
         provenance = {
-            "provider": ",".join(providers),
-            "endpoint_tag": ",".join(tags),
-            "declared_quantization": first.declared_quantization,
-            "verdict": first.verdict,
+            "providers": list(served_by.values()),  # in order of first use; each turn names its own
             "verification_run_id": self.job.verification_run_id,
             "model": self.job.model,
             "sampling": {
@@ -562,30 +584,8 @@ class Engine:
                 "completion_tokens": sum(r["completion_tokens"] for r in replies),
                 "cost_usd": round(costs, 10),
             },
-            "generation_ids": [r["generation_id"] for r in replies],
             "attempts": sum(a.total() for a in attempts),
-            "finish_reason": replies[-1]["finish_reason"],
-            "turns": [
-                {
-                    **{
-                        k: r.get(k)
-                        for k in (
-                            "provider",
-                            "endpoint_tag",
-                            "generation_id",
-                            "finish_reason",
-                            "prompt_tokens",
-                            "completion_tokens",
-                            "cost_usd",
-                            "monitor",
-                        )
-                    },
-                    # Every attempt of every run, not only the one that succeeded.
-                    "attempts": a.total(),
-                    "attempts_by_billing": {b: a[b] for b in BILLING},
-                }
-                for r, a in zip(replies, attempts, strict=True)
-            ],
+            "turns": turns,
             "started_at": _iso(started),
             "finished_at": _iso(time.time()),
             "params_sha256": self.job.params_hash,
@@ -594,6 +594,15 @@ class Engine:
         return orjson.dumps(
             {"id": record.id, "dataset": self.job.dataset, "conversations": conversation, "provenance": provenance}
         ).decode()
+
+    def _served_by(self, reply: Mapping[str, Any]) -> dict[str, str | None]:
+        """The endpoint's provenance; a turn an earlier run got from an endpoint this run's
+        verdicts no longer list keeps its name, and validation will refuse it."""
+        endpoint = self._endpoints.get(str(reply["endpoint_tag"]))
+        if endpoint is not None:
+            return endpoint.provenance()
+        return {"provider": reply.get("provider"), "endpoint_tag": reply["endpoint_tag"], "declared_quantization": None,
+                "verdict": None, "verdict_run_id": None}  # fmt: skip
 
     async def _request(
         self, key: RequestKey, messages: list[dict[str, str]], committing: list[asyncio.Future[Any]]

@@ -36,13 +36,18 @@ def test_clean_run_then_nothing_to_redo(generation_bed: Bed) -> None:
     assert [t["role"] for t in first["conversations"]] == ["user", "assistant", "user", "assistant"]  # regenerated, multi-turn
     assert first["conversations"][1]["content"] != "old answer"
     provenance = first["provenance"]
-    # Each turn may go to either eligible provider; a record's provenance names every one it used.
-    assert set(provenance["provider"].split(",")) <= {"Alpha", "Beta"} and provenance["verdict"] == "equivalent"
-    assert provenance["provider"].split(",") == sorted({t["provider"] for t in provenance["turns"]})
-    assert set(provenance) >= {"endpoint_tag", "declared_quantization", "verification_run_id", "model", "sampling", "usage",
-                               "generation_ids", "attempts", "finish_reason", "started_at", "finished_at", "params_sha256",
-                               "quanthunt_version"}  # fmt: skip
-    assert len(provenance["generation_ids"]) == 2
+    # Each turn may go to either eligible provider; a record's provenance lists every one it used, and each
+    # turn names its own provider, precision and verdict.
+    used = list(dict.fromkeys(t["endpoint_tag"] for t in provenance["turns"]))
+    assert [p["endpoint_tag"] for p in provenance["providers"]] == used
+    declared = {"alpha/int4": ("Alpha", "int4"), "beta/int4": ("Beta", "int4")}
+    for turn in provenance["turns"]:
+        assert (turn["provider"], turn["declared_quantization"]) == declared[turn["endpoint_tag"]]
+        assert turn["verdict"] == "equivalent" and turn["verification_run_id"] == provenance["verification_run_id"]
+        assert set(turn) >= {"generation_id", "finish_reason", "prompt_tokens", "completion_tokens", "cost_usd", "verdict_run_id"}
+    assert set(provenance) >= {"providers", "verification_run_id", "model", "sampling", "usage", "attempts", "started_at",
+                               "finished_at", "params_sha256", "quanthunt_version"}  # fmt: skip
+    assert len(provenance["turns"]) == 2
     assert sum(r["provenance"]["usage"]["cost_usd"] for r in records) == pytest.approx(settled)
     report = bed.detail()
     assert report["records_done"] == 40 and report["records_failed"] == 0
