@@ -1,10 +1,13 @@
 """Validate stage: check a generated dataset and export it for SpecForge with its
 provenance card. A failed check fails the stage (exit 2, the report names record and
-check) and leaves the previous final file untouched.
+check) and leaves the previous final file untouched. The exported turns' prompts are
+rendered at the reference deployment (a sandbox in sandbox mode) to state in the card
+how many match what the providers billed, and which template reproduces them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -12,20 +15,23 @@ from typing import Any
 from rich.console import Console
 
 from quanthunt import schemas
+from quanthunt.connection import open_targets
 from quanthunt.errors import ConfigError, QuanthuntError
 from quanthunt.generation import params_hash
 from quanthunt.ledger import Ledger
 from quanthunt.monitoring import UNLOGGED, monitor_card, suspect_checkpoints
 from quanthunt.outputs import Outputs, write_atomic
 from quanthunt.params import load_params, section_digest
+from quanthunt.templates import check_prompts
 from quanthunt.terminal import stage_console
 from quanthunt.tracking import git_state, repo_root, search_stage_runs, stage_run
-from quanthunt.validation import check, final_record
+from quanthunt.validation import check
 from quanthunt.verdicts import load_verdicts
 
 HEADLINE = ("records", "cost_usd", "truncated_share", "near_duplicate_share")
 """The metrics file's numbers (``dvc metrics show`` reads a row per dataset), besides its
-status and failures: headline scalars only, so the row fits a terminal. Tokens, counts
+status, the share of exported prompts that render to the billed token count, and
+failures: headline scalars only, so the row fits a terminal. Tokens, counts
 and per-provider and per-kind detail are in the provenance card and the MLflow run."""
 
 
@@ -92,6 +98,8 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             ledger_lines={r: sha for r, (sha, _) in recorded.items()},
             ledger_costs=costs,
             max_truncated_share=params.validate_.max_truncated_share,
+            reasoning=params.reasoning.mode == "on",
+            drop_unfinished=params.validate_.unfinished == "drop",
             suspect=suspect_checkpoints(monitors, dataset),
             first=params.validate_.max_failure_examples,
         )
@@ -121,7 +129,15 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             )
         final_path = root / paths.final / f"{dataset}.jsonl"
         card_path = root / paths.final / f"{dataset}.card.json"
-        final_text = "".join(dumps(final_record(entry)) + "\n" for entry in checked.records)
+        final_text = "".join(dumps(row) + "\n" for row in checked.records)
+        with open_targets(params, root=root, stage=f"validate-{dataset}", needs_model=True) as targets:
+            prompts = asyncio.run(check_prompts(targets.reference_url, params.reference.model, checked.records,
+                                                params.reasoning.reference_kwargs()))  # fmt: skip
+        run.log_metrics({"prompt_match_share": prompts.fidelity.share})
+        report = {**report, "prompt_match": round(prompts.fidelity.share, 4)}
+        if prompts.fidelity.share < 1:
+            console.print(f"[yellow]{dataset}: {prompts.fidelity.matched} of {prompts.fidelity.turns} prompts render to "
+                          f"the token count the provider billed; see the card's prompts section[/]")  # fmt: skip
         commit, dirty = git_state(root)
         generation_runs = [
             r["run_id"]
@@ -132,7 +148,8 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             "dataset": dataset,
             "records": checked.metrics["records"],
             "records_generated": checked.metrics["records_generated"],
-            "turns": checked.metrics["turns"],
+            "turns": checked.metrics["turns_exported"],
+            "turns_generated": checked.metrics["turns"],
             "tokens": {"prompt": checked.metrics["prompt_tokens"], "completion": checked.metrics["completion_tokens"]},
             "cost_usd": checked.metrics["cost_usd"],
             "model": params.survey.model,
@@ -169,6 +186,15 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
                 "verification_run_id": verdicts.verification_run_id,
                 "generation_run_ids": generation_runs[:5],
             },
+            "removed": {
+                "records_cut": checked.metrics["records_cut"],
+                "records_dropped": checked.metrics["records_dropped"],
+                "turns": checked.metrics["turns_removed"],
+                "turns_by_finish_reason": checked.metrics["turns_removed_by_reason"],
+                "cost_usd": checked.metrics["cost_usd_removed"],
+                "why": "a turn that did not finish is never exported as complete (trainers append the end-of-turn token)",
+            },
+            "prompts": prompts.card(),
             "quarantined": {
                 "records": checked.metrics["records_quarantined"],
                 "by_provider": checked.metrics["quarantined_by_provider"],

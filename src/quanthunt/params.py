@@ -391,8 +391,12 @@ class Generate(_Section):
 
 
 class Validate(_Section):
-    max_truncated_share: float = Field(default=1.0, ge=0, le=1)
-    """Largest share of records whose last answer stopped at max_tokens."""
+    max_truncated_share: float = Field(default=0.05, ge=0, le=1)
+    """Largest share of assistant turns that may stop at ``max_tokens`` (before they are
+    removed from the export); beyond it the stage fails: raise ``max_tokens``."""
+    unfinished: Literal["cut", "drop"] = "cut"
+    """A record with an unfinished turn (cut at ``max_tokens``, filtered) is exported up
+    to the turn before it (``cut``; dropped if that is its first) or not at all (``drop``)."""
     max_failure_examples: int = Field(default=5, ge=1, le=100)
 
 

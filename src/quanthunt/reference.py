@@ -298,6 +298,16 @@ class Reference:
             )
         return [int(t) for t in found]
 
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` as the server's tokenizer decodes them, special tokens kept."""
+        caps = await self.check()
+        url = caps.tokenize_url.removesuffix("tokenize") + "detokenize"
+        data = await self._post(url, {"model": caps.model, "tokens": list(ids)})
+        text = data.get("prompt", data.get("text"))  # vLLM names it prompt, SGLang text
+        if not isinstance(text, str):
+            raise GatewayError(f"reference {self.host} POST {self._route(url)} returned no text", kind="unexpected_reply")
+        return text
+
     async def tokenize_text(self, text: str) -> list[int]:
         caps = await self.check()
         data = await self._post(caps.tokenize_url, {"model": caps.model, "prompt": text, "add_special_tokens": False})

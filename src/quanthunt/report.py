@@ -404,15 +404,22 @@ def render(
     )
     dataset_rows = []
     for d in datasets:
-        validation = d.validation or {}
+        validation, card = d.validation or {}, d.card or {}
+        removed = card.get("removed") or {}
+        by_reason = ", ".join(f"{n} {reason}" for reason, n in (removed.get("turns_by_finish_reason") or {}).items())
+        dropped = (f"{removed.get('records_cut', 0)} cut, {removed.get('records_dropped', 0)} dropped ({by_reason})"
+                   if by_reason else "none")  # fmt: skip
+        match = (card.get("prompts") or {}).get("match_share")
+        run_id = card.get("mlflow", {}).get("validate_run_id", "")
         dataset_rows.append([d.name, len(d.records), sum(r["provenance"]["usage"]["completion_tokens"] for r in d.records),
-                             _usd(float((d.card or {}).get("cost_usd", 0.0))), validation.get("status", "not validated"),
-                             validation.get("truncated_share", ""), validation.get("near_duplicate_share", ""),
-                             (d.card or {}).get("mlflow", {}).get("validate_run_id", "")])  # fmt: skip
+                             _usd(float(card.get("cost_usd", 0.0))), validation.get("status", "not validated"),
+                             validation.get("truncated_share", ""), dropped, "" if match is None else f"{match:.1%}",
+                             validation.get("near_duplicate_share", ""), run_id])  # fmt: skip
     dataset_table = _table(
-        ["dataset", "records", "output tokens", "cost", "validation", "truncated", "near-duplicates", "MLflow validate run"],
+        ["dataset", "records", "output tokens", "cost", "validation", "truncated", "unfinished turns removed",
+         "prompts match", "near-duplicates", "MLflow validate run"],
         dataset_rows,
-    )
+    )  # fmt: skip
     plots = "".join(_img(png, f"distribution shift: {name}") for name, png in provider_plots.items())
     power_caption = (
         f"Power to catch a {policy.mixture_share:.0%} mixture by audited completions; dashed: verify.decision.min_power "

@@ -58,11 +58,13 @@ def drift_bed(project: Project, tmp_path: Path) -> Iterator[Callable[..., DriftB
         path.write_text(yaml.safe_dump(roster), encoding="utf-8")
         sandbox = SandboxProcess(mode="model", roster=path, log_path=tmp_path / "sandbox.log").start()
         started.append(sandbox)
-        write_prompts(project.root / "data/prompts/tiny.jsonl", RECORDS, multiturn_every=0)
+        # Short answers: most end before max_tokens (validate exports no answer cut there).
+        write_prompts(project.root / "data/prompts/tiny.jsonl", RECORDS, multiturn_every=0,
+                      single="What is {i} plus 1? Answer with the number only.")  # fmt: skip
         settings: dict[str, Any] = {
             "api.base_url": sandbox.api_url, "reference.base_url": sandbox.reference_url, "datasets": ["tiny"],
             "generate.max_records": None, "generate.concurrency": concurrency, "generate.sampling.max_tokens": 24,
-            "generate.monitor.share": 1.0, "generate.progress_interval_s": 1,
+            "generate.monitor.share": 1.0, "generate.progress_interval_s": 1, "validate.max_truncated_share": 1.0,
         }  # fmt: skip
         for key, value in settings.items():
             project.set_param(key, value)
@@ -104,7 +106,7 @@ def test_a_drifting_provider_is_stopped_and_its_drifted_records_never_exported(d
     assert any(t["endpoint_tag"] == "alpha/int4" for r in final for t in r["provenance"]["turns"])
     card = json.loads((bed.project.root / "data/final/tiny.card.json").read_text())
     generated = len((bed.project.root / "data/generated/tiny.jsonl").read_text().splitlines())
-    assert card["quarantined"]["records"] == generated - len(final) > 0
+    assert card["quarantined"]["records"] == generated - len(final) - card["removed"]["records_dropped"] > 0
     assert card["quarantined"]["by_provider"] == {"beta/int4": card["quarantined"]["records"]}
     for record in final:
         for turn in record["provenance"]["turns"]:

@@ -32,7 +32,7 @@ def test_final_file_and_card(validated: GenerationBed) -> None:
     root = validated.project.root
     lines = [json.loads(line) for line in final_of(validated).read_text().splitlines()]
     assert len(lines) == 12
-    assert set(lines[0]) == {"id", "conversations", "provenance"}
+    assert set(lines[0]) == {"id", "conversations", "status", "provenance"} and lines[0]["status"] == "success"
     assert all(set(t) <= {"role", "content", "reasoning_content"} for r in lines for t in r["conversations"])
     table = pj.read_json(final_of(validated))  # what HF datasets' JSON loader (SpecForge's input) does
     assert {"id", "conversations", "provenance"} <= set(table.column_names)
@@ -41,6 +41,10 @@ def test_final_file_and_card(validated: GenerationBed) -> None:
     assert {p["provider"] for p in card["providers"]} <= {"Alpha", "Beta"}
     assert card["digests"]["final_sha256"] == hashlib.sha256(final_of(validated).read_bytes()).hexdigest()
     assert card["mlflow"]["validate_run_id"] and card["git"]["commit"]
+    # Every exported turn's prompt, rendered at the reference, has the token count the provider billed.
+    turns = sum(t["role"] == "assistant" for r in lines for t in r["conversations"])
+    assert card["prompts"]["match_share"] == 1.0 and card["prompts"]["turns"] == card["turns"] == turns > 12
+    assert card["removed"]["turns"] == 0
     report = json.loads((root / "reports/validate/tiny.json").read_text())
     assert report["status"] == "passed" and report["failures"] == []
 
@@ -113,5 +117,5 @@ def test_survey_and_validate_metrics_stay_narrow(validated: GenerationBed) -> No
         table = project.dvc("metrics", "show", path)
         assert max(len(line) for line in table.stdout.splitlines()) <= NARROW_COLUMNS, table.stdout
     card = json.loads((project.root / "data/final/tiny.card.json").read_text())  # the detail moved here
-    assert sum(card["checks"]["finish_reasons"].values()) == card["records_generated"] == 12
+    assert sum(card["checks"]["finish_reasons"].values()) == card["turns_generated"] and card["records_generated"] == 12
     assert sum(p["records_served"] for p in card["providers"]) >= 12
