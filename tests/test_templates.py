@@ -4,15 +4,12 @@ on the sandbox's real SmolLM2 template, which must also reproduce the gateway's 
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
-from fixtures.sandbox import AUTH, MODEL_ID
+from fixtures.sandbox import AUTH, MODEL_ID, reference_chat_template
 
-from quanthunt.reference import Reference
 from quanthunt.sandbox.server import SandboxProcess
-from quanthunt.templates import PROBES, ChatTemplate, derive, reference_template
+from quanthunt.templates import PROBES, ChatTemplate, derive
 
 
 def chatml(messages: list[dict[str, str]], generation_prompt: bool, default_system: str | None) -> str:
@@ -53,12 +50,7 @@ def test_templates_that_do_not_fit_are_named() -> None:
 
 @pytest.mark.model
 def test_the_sandbox_reference_template_reproduces_the_gateways_prompt_tokens(model_sandbox: SandboxProcess) -> None:
-    async def recover() -> ChatTemplate | str:
-        async with Reference(model_sandbox.reference_url) as reference:
-            return await reference_template(reference, None)
-
-    found = asyncio.run(recover())
-    assert isinstance(found, ChatTemplate), found
+    found = reference_chat_template(model_sandbox)
     assert found.system_prompt == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     assert (found.assistant_header, found.end_of_turn_token) == ("<|im_start|>assistant\n", "<|im_end|>\n")
     # The explicit system prompt renders exactly what the provider billed for a conversation without one.

@@ -5,7 +5,6 @@ conversation with its own system message are among the rows."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -13,11 +12,10 @@ from typing import Any
 
 import pytest
 from fixtures.generation import GenerationBed
+from fixtures.sandbox import reference_chat_template
 from specforge_check import build
 
-from quanthunt.reference import Reference
 from quanthunt.sandbox.server import SandboxProcess
-from quanthunt.templates import ChatTemplate, reference_template
 from quanthunt.validation import check
 
 pytestmark = pytest.mark.model
@@ -32,16 +30,6 @@ def tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(str(model_folder()), local_files_only=True)
 
 
-def smollm2_template(sandbox: SandboxProcess) -> ChatTemplate:
-    async def recover() -> ChatTemplate | str:
-        async with Reference(sandbox.reference_url) as reference:
-            return await reference_template(reference, None)
-
-    found = asyncio.run(recover())
-    assert isinstance(found, ChatTemplate), found
-    return found
-
-
 def test_the_validate_stages_final_file_is_built_whole(
     generation_bed: Callable[..., GenerationBed], model_sandbox: SandboxProcess, tokenizer: Any
 ) -> None:
@@ -49,7 +37,7 @@ def test_the_validate_stages_final_file_is_built_whole(
     assert bed.generate().returncode == 0
     done = bed.project.run("validate", "tiny", "--params", "params.yaml")
     assert done.returncode == 0, done.stderr
-    built = build(bed.project.root / "data/final/tiny.jsonl", smollm2_template(model_sandbox), tokenizer, name="qh-stage")
+    built = build(bed.project.root / "data/final/tiny.jsonl", reference_chat_template(model_sandbox), tokenizer, name="qh-stage")
     assert built.rows == built.prompts == 12  # 0 rows dropped
     assert built.spans == built.expected and sum(built.spans.values()) == 12
 
@@ -74,6 +62,6 @@ def test_cut_records_and_own_system_messages_are_built_as_exported(
     turns = sum(len(r["provenance"]["turns"]) for r in records) - (len(long["provenance"]["turns"]) - 1)
     final = tmp_path / "final.jsonl"
     final.write_text("".join(json.dumps(r) + "\n" for r in checked.records))
-    built = build(final, smollm2_template(model_sandbox), tokenizer, name="qh-cut")
+    built = build(final, reference_chat_template(model_sandbox), tokenizer, name="qh-cut")
     assert built.rows == built.prompts == 6 and built.spans == built.expected
     assert sum(len(spans) * n for spans, n in built.spans.items()) == turns
