@@ -61,6 +61,11 @@ def test_dvc_exp_run_set_changes_only_the_line_it_sets(tmp_path: Path) -> None:
         ("surveyy", {}, "surveyy: unknown key"),
         ("reasoning.mode", "maybe", "reasoning.mode: Input should be 'none', 'off' or 'on'"),
         ("reasoning.template_kwargs", {"enable thinking": False}, "reasoning.template_kwargs: Value error, chat template"),
+        (
+            "reasoning.template_kwargs",
+            {"thinking": float("inf")},
+            "reasoning.template_kwargs: Value error, thinking must be plain JSON",
+        ),
         ("api.base_url", "http://openrouter.ai/api/v1", "plain http is only allowed to a loopback host"),
         ("api.base_url", "ftp://example.com", "must be an http(s) URL"),
         ("api.base_url", "https://user:pw@openrouter.ai/api/v1", "must not carry credentials"),

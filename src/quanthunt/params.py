@@ -115,6 +115,21 @@ class Reference(_Section):
     _check = field_validator("base_url")(check_base_url)
 
 
+def _plain_json(value: Any) -> bool:
+    """Whether ``value`` is JSON every server decodes alike: no NaN, infinity or integer past 64 bits."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return True
+    if isinstance(value, int):
+        return -(2**63) <= value < 2**63
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_plain_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain_json(v) for k, v in value.items())
+    return False
+
+
 class Reasoning(_Section):
     """How the target model's thinking is handled, by verify and generate alike."""
 
@@ -133,9 +148,11 @@ class Reasoning(_Section):
     @field_validator("template_kwargs")
     @classmethod
     def _argument_names(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for name in value:
+        for name, argument in value.items():
             if not name.isidentifier():
                 raise ValueError(f"chat template arguments are names, got {one_line(repr(name), 40)}")
+            if not _plain_json(argument):  # they travel as JSON to the reference's template engine
+                raise ValueError(f"{name} must be plain JSON (finite, 64-bit numbers), got {one_line(repr(argument), 40)}")
         return value
 
     def request(self) -> dict[str, str] | None:
