@@ -65,6 +65,22 @@ def build(final: Path, template: ChatTemplate, tokenizer: Any, *, name: str) -> 
     return Built(len(rows), len(tasks), spans, expected)
 
 
+def billed_matches(final: Path, tokenizer: Any, system_prompt: str | None) -> tuple[int, int]:
+    """(turns, turns whose request renders to the billed prompt tokens) when a conversation
+    without a system message gets ``system_prompt``, as SpecForge's parser inserts it."""
+    from quanthunt.validation import requests_of
+
+    turns = matched = 0
+    for line in final.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        for sent, turn in zip(requests_of(row["conversations"]), row["provenance"]["turns"], strict=True):
+            inserted = [{"role": "system", "content": system_prompt}] if system_prompt and sent[0]["role"] != "system" else []
+            ids = tokenizer.apply_chat_template(inserted + sent, add_generation_prompt=True, return_dict=True)["input_ids"]
+            turns += 1
+            matched += len(ids) == turn["prompt_tokens"]
+    return turns, matched
+
+
 def main(paths: list[str]) -> int:
     from transformers import AutoTokenizer
 
@@ -82,6 +98,11 @@ def main(paths: list[str]) -> int:
         masks = "every mask = content + end of turn" if built.ok else "MISMATCH"
         print(f"{path}: {built.rows} rows, {built.prompts} training prompts, {turns} assistant turns masked, "
               f"{masks}; prompts match {card['match_share']:.0%}")  # fmt: skip
+        from specforge.data.template import TEMPLATE_REGISTRY
+
+        for name in ("qwen", fields["name"]):
+            total, matched = billed_matches(path, tokenizer, TEMPLATE_REGISTRY.get(name).system_prompt)
+            print(f"  rendered with SpecForge's {name} template: {matched} of {total} turns have the billed prompt tokens")
         failed += not built.ok
     return 1 if failed else 0
 
