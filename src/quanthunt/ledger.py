@@ -149,10 +149,6 @@ class Spend:
     attempts: int
     unknown_attempts: int
 
-    @property
-    def upper_bound_usd(self) -> float:
-        return self.settled_usd + self.unknown_usd
-
 
 class Ledger:
     """The ledger file. Reads run directly; writes go through ``LedgerWriter`` (async)
@@ -335,9 +331,6 @@ class Ledger:
             "SELECT record_id, line_sha256, line FROM records WHERE dataset=? AND params_hash=?", (dataset, params_hash)
         )
         return {r: (sha, line) for r, sha, line in rows}
-
-    def params_hashes(self, dataset: str) -> set[str]:
-        return {r[0] for r in self.db.execute("SELECT DISTINCT params_hash FROM records WHERE dataset=?", (dataset,))}
 
     def recover(self, dataset: str) -> int:
         """Requests left ``in_flight`` by a run that died become ``unknown_outcome`` (their
