@@ -47,8 +47,7 @@ from pathlib import Path
 import httpx
 
 from quanthunt.gateway import Routing, chat_body
-from quanthunt.generation import Sampling
-from quanthunt.params import load_params
+from quanthunt.params import Sampling, load_params
 from quanthunt.prompts import PromptRecord, iter_prompts, next_request, skeleton
 from quanthunt.sandbox.server import SandboxProcess
 
@@ -132,7 +131,7 @@ def main() -> None:
     params = load_params(args.params)
     s = params.generate.sampling
     seed = s.seed if args.seed is None else args.seed
-    sampling = Sampling(s.temperature, s.top_p, args.max_tokens, seed)
+    sampling = Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=args.max_tokens, seed=seed)
     datasets = args.datasets.split(",") if args.datasets else list(params.datasets)
     work: list[tuple[str, PromptRecord]] = []
     for dataset in datasets:

@@ -35,11 +35,13 @@ from pathlib import Path
 
 import yaml
 
-from quanthunt.params import Generate
+from quanthunt.params import load_params
 from quanthunt.sandbox.server import SandboxProcess
 
 MODEL = "huggingfacetb/smollm2-135m-instruct"
 KEY = "sk-bench-key-000000"
+RAMP_UP_S = load_params(Path(__file__).resolve().parents[1] / "params.yaml").generate.ramp_up_s
+"""params.yaml's ``generate.ramp_up_s``, what ``quanthunt generate`` uses."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -106,10 +108,14 @@ async def openai_sdk(url: str, total: int, in_flight: int) -> Timings:
     return latencies, finished
 
 
-async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: float = Generate().ramp_up_s) -> Timings:
+async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: float = RAMP_UP_S) -> Timings:
     from quanthunt.gateway import AiohttpChat, ApiKey, Routing
-    from quanthunt.generation import Eligible, Engine, Job, RecordSink, Retry, Sampling
+    from quanthunt.generation import Eligible, Engine, Job, RecordSink
     from quanthunt.ledger import Ledger, LedgerWriter
+    from quanthunt.params import Retry, Sampling
+
+    sampling = Sampling(temperature=0.7, top_p=1.0, max_tokens=16, seed=0)
+    retry = Retry(max_attempts=6, base_delay_s=0.5, max_delay_s=30, empty_answer_max_tokens=None)
     from quanthunt.prompts import PromptRecord, Turn
 
     work = Path(tempfile.mkdtemp(prefix="qh-bench-"))
@@ -119,9 +125,9 @@ async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: floa
     sink = RecordSink(work / "out.jsonl", ledger, writer, "bench", "p" * 64)
     sink.start()
     provider = Eligible("Moonshot AI", "moonshotai/int4", "int4", "equivalent", 6e-7, 2.5e-6, 8192)
-    job = Job(dataset="bench", model=MODEL, sampling=Sampling(0.7, 1.0, 16, 0), providers=(provider,),
+    job = Job(dataset="bench", model=MODEL, sampling=sampling, providers=(provider,),
               routing=Routing(only=(provider.tag,), allow_fallbacks=False, require_parameters=True), params_hash="p" * 64,
-              run_id="bench", max_usd=1e6, max_output_tokens=None, concurrency=in_flight, retry=Retry(6, 0.5, 30),
+              run_id="bench", max_usd=1e6, max_output_tokens=None, concurrency=in_flight, retry=retry,
               verification_run_id="bench", ramp_up_s=ramp_up_s)  # fmt: skip
     records = (PromptRecord(f"r{i}", (Turn("user", f"hello number {i}"),)) for i in range(total))
     async with AiohttpChat(url, api_key=ApiKey(KEY)) as chat:
@@ -162,8 +168,8 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=2000)
     parser.add_argument("--latency-ms", type=float, default=1000)
     parser.add_argument("--clients", default="quanthunt,raw-aiohttp,openai-sdk", help="which clients, in order")
-    parser.add_argument("--ramp-up-s", type=float, default=Generate().ramp_up_s,
-                        help="quanthunt's generate.ramp_up_s (default: the params default)")  # fmt: skip
+    parser.add_argument("--ramp-up-s", type=float, default=RAMP_UP_S,
+                        help="quanthunt's generate.ramp_up_s (default: params.yaml's)")  # fmt: skip
     parser.add_argument("--client", choices=sorted(CLIENTS))
     parser.add_argument("--url")
     parser.add_argument("--out", type=Path, help="where a client writes its figures (JSON)")

@@ -33,27 +33,24 @@ from quanthunt.generation import (
     Job,
     Progress,
     RecordSink,
-    Retry,
-    Sampling,
     StopRun,
     adopt_published,
     params_hash,
     prepare_output,
     publish,
     reconcile_earlier,
-    working_file,
 )
 from quanthunt.interrupts import StopSignals
 from quanthunt.ledger import Ledger, LedgerWriter
 from quanthunt.locking import exclusive
 from quanthunt.monitoring import LOGPROB_TOP, UNLOGGED, Monitoring, check_reference, monitors_for, stopped_providers
 from quanthunt.outputs import write_atomic
-from quanthunt.params import Params, load_params
+from quanthunt.params import Params
 from quanthunt.prompts import count_prompts, iter_prompts
 from quanthunt.reference import Reference
+from quanthunt.stage import Stage
 from quanthunt.survey import read_providers
-from quanthunt.terminal import stage_console
-from quanthunt.tracking import StageRun, repo_root, stage_run
+from quanthunt.tracking import StageRun
 from quanthunt.verdicts import Verdicts, load_verdicts
 from quanthunt.verification import Scorer
 
@@ -152,7 +149,7 @@ async def run(
     job = Job(
         dataset=dataset,
         model=params.survey.model,
-        sampling=Sampling(g.sampling.temperature, g.sampling.top_p, g.sampling.max_tokens, g.sampling.seed),
+        sampling=g.sampling,
         providers=providers,
         routing=Routing(data_collection=g.data_collection, quantizations=g.quantizations),
         params_hash=params_hash,
@@ -161,13 +158,14 @@ async def run(
         max_output_tokens=g.max_output_tokens,
         concurrency=g.concurrency,
         ramp_up_s=g.ramp_up_s,
-        retry=Retry(**g.retry.model_dump()),
+        retry=g.retry,
         verification_run_id=verdicts.verification_run_id,
         reasoning=params.reasoning.request(),
     )
-    prompts = paths.prompt_file(root, dataset)
-    output = working_file(root / paths.generating, dataset, params_hash)
-    adopt_published(root / paths.generated / f"{dataset}.jsonl", output, params_hash)
+    files = paths.of(root, dataset)
+    prompts = files.prompts
+    output = files.working(params_hash)
+    adopt_published(files.generated, output, params_hash)
     recovered = ledger.recover(dataset)
     repair = prepare_output(output, ledger, dataset, params_hash)
     if repair.truncated_bytes or repair.adopted or repair.restored or recovered:
@@ -265,21 +263,17 @@ async def show_progress(engine: Engine, job: Job, console: Console, interval_s: 
 
 def main(dataset: str, params_path: Path, *, console: Console | None = None) -> None:
     """Run the generate stage for ``dataset`` with the params file at ``params_path``."""
-    console = console or stage_console()
-    params = load_params(params_path)
-    params.check_dataset(dataset, source=params_path)
-    root = repo_root(params_path)
-    paths = params.paths
-    prompts = paths.prompt_file(root, dataset)
+    stage = Stage.open("generate", params_path, console, dataset=dataset)
+    params, root, paths, console = stage.params, stage.root, stage.paths, stage.console
+    files = paths.of(root, dataset)
+    prompts = files.prompts
     if not prompts.exists():
         raise ConfigError(f"{prompts}: prompt dataset not found")
-    with exclusive(root / paths.locks / f"{dataset}.lock", what=f"quanthunt generate {dataset}"):
+    with exclusive(files.lock, what=f"quanthunt generate {dataset}"):
         # Inputs first, before a sandbox starts or a request is sent.
         eligible_providers(params, root)
         total = count_prompts(prompts, limit=params.generate.max_records)  # every record checked
-        with stage_run(
-            "generate", params=params, section=params.generate, root=root, experiment=params.tracking.experiment
-        ) as mlflow_run:
+        with stage.tracked(params.generate) as mlflow_run:
             mlflow_run.log_input(prompts, context="prompts")
             mlflow_run.log_input(root / paths.verdicts, context="verdicts")
             with open_targets(params, root=root, stage=f"generate-{dataset}", needs_model=True) as targets:
@@ -306,14 +300,12 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             failure = run_failure(job, engine, signals, resume=f"quanthunt generate {dataset} --params {params_path}")
             if failure is not None:
                 raise failure
-            working = working_file(root / paths.generating, dataset, job.params_hash)
-            output = root / paths.generated / f"{dataset}.jsonl"
+            working = files.working(job.params_hash)
             if working.exists():
-                publish(working, output)
-                mlflow_run.log_output(output)
-            reports = root / paths.generate_reports
-            write_atomic(reports / f"{dataset}.detail.json", (json.dumps(detail, indent=2) + "\n").encode())
-            write_atomic(reports / f"{dataset}.json", (json.dumps(headline, indent=2) + "\n").encode())
+                publish(working, files.generated)
+                mlflow_run.log_output(files.generated)
+            write_atomic(files.generate_detail, (json.dumps(detail, indent=2) + "\n").encode())
+            write_atomic(files.generate_report, (json.dumps(headline, indent=2) + "\n").encode())
 
 
 def summary(job: Job, engine: Engine) -> dict[str, object]:

@@ -9,13 +9,10 @@ from typing import Any
 
 from rich.console import Console
 
-from quanthunt import figures
 from quanthunt.outputs import Outputs
-from quanthunt.params import load_params
 from quanthunt.report import DatasetView, cost_rows, csv_text, json_lines, render, verification_rows
+from quanthunt.stage import Stage
 from quanthunt.survey import read_providers
-from quanthunt.terminal import stage_console
-from quanthunt.tracking import repo_root, stage_run
 from quanthunt.verdicts import load_verdicts
 
 
@@ -25,27 +22,22 @@ def _json(path: Path) -> dict[str, Any] | None:
 
 def main(params_path: Path, *, console: Console | None = None) -> None:
     """Build the report from whatever the pipeline has produced."""
-    console = console or stage_console()
-    params = load_params(params_path)
-    root = repo_root(params_path)
-    paths = params.paths
+    stage = Stage.open("report", params_path, console)
+    params, root, paths, console = stage.params, stage.root, stage.paths, stage.console
     providers = read_providers(root / paths.survey_providers)
     verdicts = load_verdicts(root / paths.verdicts)
     plots = {}
     for v in verdicts.providers:
-        png = root / paths.verify_plots / figures.file_name(v.tag)
+        png = paths.plot(root, v.tag)
         if png.exists():
             plots[v.tag] = png.read_bytes()
     datasets = []
     for name in params.datasets:
-        final = root / paths.final / f"{name}.jsonl"
-        records = json_lines(final.read_text(encoding="utf-8")) if final.exists() else []
-        card = _json(root / paths.final / f"{name}.card.json")
-        datasets.append(DatasetView(name, records, card, _json(root / paths.validate_reports / f"{name}.json")))
+        files = paths.of(root, name)
+        records = json_lines(files.final.read_text(encoding="utf-8")) if files.final.exists() else []
+        datasets.append(DatasetView(name, records, _json(files.card), _json(files.validate_report)))
     m, d = params.verify.margin, params.verify.decision
-    with stage_run(
-        "report", params=params, section=params.verify.decision, root=root, experiment=params.tracking.experiment
-    ) as run:
+    with stage.tracked(params.verify.decision) as run:
         page = render(
             model=params.survey.model,
             providers=providers,

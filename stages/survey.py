@@ -17,11 +17,9 @@ from rich.table import Table
 from quanthunt.connection import open_targets
 from quanthunt.gateway import Endpoint, Gateway, ModelReasoning, resolve_api_key
 from quanthunt.outputs import Outputs
-from quanthunt.params import load_params
 from quanthunt.sandbox.roster import default_roster_path
+from quanthunt.stage import Stage
 from quanthunt.survey import PROVIDER_COLUMNS, ProviderRow, apply_policy, check_reasoning, plan_budget
-from quanthunt.terminal import stage_console
-from quanthunt.tracking import repo_root, stage_run
 
 
 async def fetch_endpoints(api_url: str, model: str) -> tuple[list[Endpoint], ModelReasoning | None]:
@@ -70,11 +68,9 @@ def show(rows: list[ProviderRow], plan: dict[str, object], console: Console) -> 
 
 def main(params_path: Path, *, console: Console | None = None) -> None:
     """Run the survey stage with the params file at ``params_path``."""
-    console = console or stage_console()
-    params = load_params(params_path)
-    root = repo_root(params_path)
-    paths = params.paths
-    with stage_run("survey", params=params, section=params.survey, root=root, experiment=params.tracking.experiment) as run:
+    stage = Stage.open("survey", params_path, console)
+    params, root, paths, console = stage.params, stage.root, stage.paths, stage.console
+    with stage.tracked(params.survey) as run:
         with open_targets(params, root=root, stage="survey", needs_model=False) as targets:
             endpoints, reasoning = asyncio.run(fetch_endpoints(targets.api_url, params.survey.model))
         check_reasoning(params.reasoning.mode, reasoning, params.survey.model)

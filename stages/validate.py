@@ -21,10 +21,10 @@ from quanthunt.generation import params_hash
 from quanthunt.ledger import Ledger
 from quanthunt.monitoring import UNLOGGED, monitor_card, suspect_checkpoints
 from quanthunt.outputs import Outputs, write_atomic
-from quanthunt.params import load_params, section_digest
+from quanthunt.params import section_digest
+from quanthunt.stage import Stage
 from quanthunt.templates import check_prompts
-from quanthunt.terminal import stage_console
-from quanthunt.tracking import git_state, repo_root, search_stage_runs, stage_run
+from quanthunt.tracking import git_state, search_stage_runs
 from quanthunt.validation import check
 from quanthunt.verdicts import load_verdicts
 
@@ -55,12 +55,10 @@ def dumps(data: Any) -> str:
 
 def main(dataset: str, params_path: Path, *, console: Console | None = None) -> None:
     """Run the validate stage for ``dataset`` with the params file at ``params_path``."""
-    console = console or stage_console()
-    params = load_params(params_path)
-    params.check_dataset(dataset, source=params_path)
-    root = repo_root(params_path)
-    paths = params.paths
-    generated = root / paths.generated / f"{dataset}.jsonl"
+    stage = Stage.open("validate", params_path, console, dataset=dataset)
+    params, root, paths, console = stage.params, stage.root, stage.paths, stage.console
+    files = paths.of(root, dataset)
+    generated = files.generated
     if not generated.exists():
         raise ConfigError(f"{generated}: generated dataset not found; run `quanthunt generate {dataset}` first")
     verdicts = load_verdicts(root / paths.verdicts)
@@ -88,8 +86,8 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
     if ledger_failures:
         raise ConfigError(f"{root / paths.ledger}: {ledger_failures[0].line()}")
     lines = generated.read_text(encoding="utf-8").splitlines()
-    report_path = root / paths.validate_reports / f"{dataset}.json"
-    with stage_run("validate", params=params, section=params.validate_, root=root, experiment=params.tracking.experiment) as run:
+    report_path = files.validate_report
+    with stage.tracked(params.validate_) as run:
         checked = check(
             lines,
             max_tokens=sampling.max_tokens,
@@ -127,8 +125,7 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
                 f"validation of {dataset} failed {len(checked.failures)} check(s); first: {checked.failures[0].line()}; "
                 f"see {report_path} (the previous final file is untouched)"
             )
-        final_path = root / paths.final / f"{dataset}.jsonl"
-        card_path = root / paths.final / f"{dataset}.card.json"
+        final_path, card_path = files.final, files.card
         final_text = "".join(dumps(row) + "\n" for row in checked.records)
         with open_targets(params, root=root, stage=f"validate-{dataset}", needs_model=True) as targets:
             prompts = asyncio.run(check_prompts(targets.reference_url, params.reference.model, checked.records,
@@ -177,7 +174,7 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             },
             "git": {"commit": commit, "dirty": dirty},
             "digests": {
-                "prompts_sha256": sha256_file(paths.prompt_file(root, dataset)),
+                "prompts_sha256": sha256_file(files.prompts),
                 "generated_sha256": sha256_file(generated),
                 "final_sha256": hashlib.sha256(final_text.encode()).hexdigest(),
             },

@@ -23,12 +23,12 @@ from quanthunt.decision import Subject
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import Gateway, resolve_api_key
 from quanthunt.outputs import Outputs
-from quanthunt.params import Margins, Params, load_params, section_digest
+from quanthunt.params import Margins, Params, section_digest
 from quanthunt.prompts import load_prompts
 from quanthunt.reference import Reference
+from quanthunt.stage import Stage
 from quanthunt.survey import CANDIDATE, ProviderRow, probe_cost, read_providers
-from quanthunt.terminal import stage_console
-from quanthunt.tracking import StageRun, repo_root, stage_run
+from quanthunt.tracking import StageRun
 from quanthunt.verdicts import ProviderVerdict, Verdicts
 from quanthunt.verification import (
     Audit,
@@ -72,18 +72,7 @@ async def audit_all(
 ) -> tuple[list[Audit], list[int], str]:
     """Audit every row in rounds until each is decided or has had every probe of the plan."""
     v = params.verify
-    p = v.probes
-    design = Design(
-        model=params.survey.model,
-        seed=params.verify.seed,
-        completions_per_prompt=p.completions_per_prompt,
-        sample_mode_completions_per_prompt=p.sample_mode_completions_per_prompt,
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_logprobs=p.top_logprobs,
-        max_attempts=params.verify.max_attempts,
-        reasoning=params.reasoning,
-    )
+    design = Design.of(params)
     async with (
         Gateway(
             targets.api_url,
@@ -109,7 +98,7 @@ async def audit_all(
             left = [a.tag for a, d in zip(audits, done, strict=True) if not d]
             console.print(f"verify: round {number} done; " + (f"undecided: {', '.join(left)}" if left else "all decided"))
 
-        rounds = await auditor.audit_rounds(audits, probes, round_size=p.prompts, settled=settled, on_round=on_round)
+        rounds = await auditor.audit_rounds(audits, probes, round_size=v.probes.prompts, settled=settled, on_round=on_round)
     return audits, rounds, reference_model
 
 
@@ -191,10 +180,8 @@ def log_provider_runs(run: StageRun, verdicts: list[ProviderVerdict], margin: Ma
 
 def main(params_path: Path, *, console: Console | None = None) -> None:
     """Run the verify stage with the params file at ``params_path``."""
-    console = console or stage_console()
-    params = load_params(params_path)
-    root = repo_root(params_path)
-    paths = params.paths
+    stage = Stage.open("verify", params_path, console)
+    params, root, paths, console = stage.params, stage.root, stage.paths, stage.console
     surveyed = read_providers(root / paths.survey_providers)
     rows = subjects_to_audit(surveyed, params)
     if not rows:
@@ -204,7 +191,7 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         raise ConfigError(f"the planned probe cost ${cost:.4f} exceeds verify.max_cost_usd ${params.verify.max_cost_usd:g}")
     datasets = {name: load_prompts(paths.prompt_file(root, name)) for name in params.datasets}
     probes = select_probes(datasets, count=params.verify.max_probes_per_provider, seed=params.verify.seed)
-    with stage_run("verify", params=params, section=params.verify, root=root, experiment=params.tracking.experiment) as run:
+    with stage.tracked(params.verify) as run:
         with open_targets(params, root=root, stage="verify", needs_model=True) as targets:
             audits, rounds, reference_model = asyncio.run(
                 audit_all(params, rows, probes, targets, siblings=[r.tag for r in surveyed], console=console)
@@ -248,7 +235,7 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         with Outputs() as out:
             out.write_text(root / paths.verdicts, Verdicts.model_validate(verdicts.model_dump()).model_dump_json(indent=2) + "\n")
             for tag, png in images.items():
-                out.write_bytes(root / paths.verify_plots / figures.file_name(tag), png)
+                out.write_bytes(paths.plot(root, tag), png)
             out.write_text(root / paths.verify_report, render_report(verdicts, images))
             out.write_json(root / paths.verify_metrics, metrics)
         show(verdicts, console)

@@ -41,9 +41,7 @@ from quanthunt.gateway import (
     GatewayError,
     Generation,
     KeyStatus,
-    check_base_url,
     error_from,
-    is_loopback,
     parse_chat_reply,
 )
 from quanthunt.params import Params, load_params, parse_params
@@ -51,6 +49,7 @@ from quanthunt.prompts import MAX_LINE_BYTES, PromptRecord, load_prompts, skelet
 from quanthunt.sandbox.roster import FAULT_KINDS, PRECISIONS, Roster, default_roster_path, load_roster, parse_roster
 from quanthunt.spec import ENDPOINT_STATUSES, LIMIT_SOURCES, QUANTIZATIONS
 from quanthunt.survey import PROVIDER_COLUMNS, ProviderRow, plan_budget, read_providers
+from quanthunt.urls import check_base_url, is_loopback
 from quanthunt.verdicts import Verdicts, load_verdicts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,14 +7,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from fixtures.params import SHIPPED, changed
 
 from quanthunt import decision
 from quanthunt.decision import Subject, judge, verdicts
-from quanthunt.params import Decision, Margins
 from quanthunt.verification import Audit, LogprobCompletion, SampledText
 
-MARGIN = Margins()
-POLICY = Decision(mixture_detection_logprob=1.0, mixture_detection_sample=0.6)
+MARGIN = SHIPPED.verify.margin
+POLICY = changed(SHIPPED.verify.decision, mixture_detection_logprob=1.0, mixture_detection_sample=0.6)
 
 
 def logprob_audit(name: str, *, n: int, scale: float, z_shift: float = 0.0, extreme_share: float = 0.0, seed: int = 0) -> Audit:

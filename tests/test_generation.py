@@ -16,21 +16,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures.params import changed
 
 from quanthunt.gateway import ChatReply, Routing, Usage
-from quanthunt.generation import Eligible, Engine, Job, RecordSink, Retry, Sampling, quiet_collector
+from quanthunt.generation import Eligible, Engine, Job, RecordSink, quiet_collector
 from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
+from quanthunt.params import Retry, Sampling
 from quanthunt.prompts import PromptRecord, Turn
 
 HASH = "p" * 64
+SAMPLING = Sampling(temperature=0.7, top_p=1.0, max_tokens=16, seed=0)
+RETRY = Retry(max_attempts=2, base_delay_s=0.0, max_delay_s=0.0, empty_answer_max_tokens=None)
 PROVIDER = Eligible("Moonshot AI", "moonshotai/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)
 
 
 def job(concurrency: int = 4, *, ramp_up_s: float = 0.0, max_usd: float = 10.0,
         providers: tuple[Eligible, ...] = (PROVIDER,)) -> Job:  # fmt: skip
-    return Job(dataset="chat", model="m", sampling=Sampling(0.7, 1.0, 16, 0), providers=providers,
+    return Job(dataset="chat", model="m", sampling=SAMPLING, providers=providers,
                routing=Routing(data_collection="deny"), params_hash=HASH, run_id="run", max_usd=max_usd,
-               max_output_tokens=None, concurrency=concurrency, retry=Retry(2, 0.0, 0.0), verification_run_id="v",
+               max_output_tokens=None, concurrency=concurrency, retry=RETRY, verification_run_id="v",
                ramp_up_s=ramp_up_s)  # fmt: skip
 
 
@@ -320,7 +324,7 @@ def test_an_empty_answer_is_asked_again_with_the_larger_budget_the_params_allow(
     """``generate.retry.empty_answer_max_tokens``: the turn whose thinking ate ``max_tokens``
     is asked again with room for an answer, and its worst case is reserved for it."""
     chat = PinnedChat({PROVIDER.tag: PROVIDER.name}, empty=1)
-    larger = dataclasses.replace(job(), retry=Retry(3, 0.0, 0.0, empty_answer_max_tokens=64))
+    larger = dataclasses.replace(job(), retry=changed(RETRY, max_attempts=3, empty_answer_max_tokens=64))
     ran = run_engine(tmp_path, chat, records("r1"), Ledger(tmp_path / "ledger.sqlite"), larger)
     assert [b["max_tokens"] for b in chat.bodies] == [16, 64]
     assert lines(ran.output)[0]["conversations"][1]["content"] == "answer 2"

@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from fixtures.params import SHIPPED
 
 from quanthunt.monitor import MAX_COMPONENTS, Observation, ProviderMonitor, Stop, weight
-from quanthunt.params import Margins
 
-MARGIN = Margins()
+MARGIN = SHIPPED.verify.margin
 Draw = Callable[[np.random.Generator], Observation]
 
 

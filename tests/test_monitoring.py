@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fixtures.params import SHIPPED, changed
 from test_generation import PinnedChat, job, lines, records, writing
 
 from quanthunt.errors import EXIT_OUT_OF_BUDGET
@@ -20,7 +21,6 @@ from quanthunt.generation import Eligible, Engine
 from quanthunt.ledger import Ledger
 from quanthunt.monitor import ProviderMonitor
 from quanthunt.monitoring import Monitoring, monitor_card
-from quanthunt.params import Margins, Monitor, Reasoning
 from quanthunt.report import DatasetView, monitor_section
 from quanthunt.verification import LogprobCompletion
 
@@ -53,7 +53,7 @@ class DriftingChat(PinnedChat):
 class StubScorer:
     """Scores a reply as the reference would: |Δ| 0.6 (extreme) for drifted text, 0.01 else."""
 
-    reasoning = Reasoning()
+    reasoning = SHIPPED.reasoning
 
     def __init__(self) -> None:
         self.scored = 0
@@ -72,8 +72,8 @@ class StubScorer:
 def run_monitored(tmp_path: Path, providers: tuple[Eligible, ...], count: int) -> tuple[Engine, DriftingChat, Ledger]:
     ledger = Ledger(tmp_path / "ledger.sqlite")
     chat = DriftingChat()
-    settings = Monitor(share=1.0, checkpoint_every=4, concurrency=2)
-    monitors = {p.tag: ProviderMonitor.start(p.tag, "logprob", sampler=False, margin=Margins(), alpha=0.05 / 2,
+    settings = changed(SHIPPED.generate.monitor, share=1.0, checkpoint_every=4, concurrency=2)
+    monitors = {p.tag: ProviderMonitor.start(p.tag, "logprob", sampler=False, margin=SHIPPED.verify.margin, alpha=0.05 / 2,
                                              checkpoint_every=4, audited=[]) for p in providers}  # fmt: skip
 
     async def scenario() -> Engine:
@@ -125,7 +125,7 @@ def test_a_monitor_whose_replies_were_never_scored_still_reports(tmp_path: Path)
     state = ledger.monitor_states("v")["chat", "b/int4"]
     card = monitor_card(state)
     assert card == {"replies": 3, "threshold": None, "e_path": [], "stopped": None}
-    monitor = ProviderMonitor("b/int4", "logprob", False, Margins(), 40.0, 4)
+    monitor = ProviderMonitor("b/int4", "logprob", False, SHIPPED.verify.margin, 40.0, 4)
     monitor.restore(state)
     assert (monitor.served, monitor.fed, monitor.checkpoint) == (3, 3, 0)
     page = monitor_section([DatasetView("chat", [], {"providers": [{"tag": "b/int4", "monitor": card}]}, None)])

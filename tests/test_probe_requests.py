@@ -10,9 +10,9 @@ import json
 from typing import Any
 
 import httpx
+from fixtures.params import SHIPPED
 
 from quanthunt.gateway import ApiKey, Gateway, GatewayError, chat_body
-from quanthunt.params import Reasoning
 from quanthunt.reference import Reference
 from quanthunt.verification import Audit, Auditor, Design
 
@@ -24,7 +24,7 @@ REPLY = {
     "usage": {"prompt_tokens": 3, "completion_tokens": 1, "cost": 0.001},
 }
 DESIGN = Design(model="m/x", seed=0, completions_per_prompt=1, sample_mode_completions_per_prompt=1, max_tokens=8,
-                temperature=1.0, top_logprobs=5, max_attempts=2, reasoning=Reasoning())  # fmt: skip
+                temperature=1.0, top_logprobs=5, max_attempts=2, reasoning=SHIPPED.reasoning)  # fmt: skip
 
 
 def audit_with(failures: list[type[httpx.TimeoutException]]) -> tuple[Audit, list[Any], Auditor]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from fixtures.params import SHIPPED, changed
 
 from quanthunt.gateway import Endpoint
-from quanthunt.params import Budget, Policy, Probes, Verify
+from quanthunt.params import Budget
 from quanthunt.survey import SENT_PARAMETERS, apply_policy, plan_budget, price_scenario, probe_cost
 
 
@@ -26,7 +27,20 @@ def endpoint(name: str, **fields: Any) -> Endpoint:
     return Endpoint.model_validate(data)
 
 
-POLICY = Policy(max_completion_usd_per_m=3.0, min_uptime=90, allowed_quantizations=("int4", "fp8", "unknown"))
+OPEN = changed(
+    SHIPPED.survey.policy,
+    allowed_quantizations=("int4", "int8", "fp8", "bf16", "fp16", "fp32", "unknown"),
+    ignore_providers=(), max_prompt_usd_per_m=None, max_completion_usd_per_m=None, min_uptime=0.0, min_status=-2,
+    require_logprobs=False,
+)  # fmt: skip
+"""A policy that excludes only what a test says."""
+
+
+def make_budget(**fields: Any) -> Budget:
+    return Budget(**{"input_tokens_per_output_token": 0.0, **fields})
+
+
+POLICY = changed(OPEN, max_completion_usd_per_m=3.0, min_uptime=90, allowed_quantizations=("int4", "fp8", "unknown"))
 
 
 @pytest.mark.parametrize(
@@ -51,7 +65,7 @@ def test_policy_reasons(fields: dict[str, Any], reason: str) -> None:
 def test_ignore_and_logprobs_requirements() -> None:
     rows = apply_policy(
         [endpoint("Keep"), endpoint("Skip"), endpoint("Blind", supported_parameters=list(SENT_PARAMETERS))],
-        Policy(ignore_providers=("skip",), require_logprobs=True),
+        changed(OPEN, ignore_providers=("skip",), require_logprobs=True),
     )
     assert [r.reason for r in rows] == ["candidate", "excluded: ignored by policy", "excluded: no logprobs"]
 
@@ -63,15 +77,15 @@ def test_overrides_are_noted_and_discounts_applied() -> None:
         "discount": 0.25,
         "overrides": [{"min_prompt_tokens": 128000, "completion": "0.000008"}],
     }
-    (row,) = apply_policy([endpoint("D", pricing=pricing)], Policy())
+    (row,) = apply_policy([endpoint("D", pricing=pricing)], OPEN)
     assert (row.prompt_usd_per_m, row.completion_usd_per_m) == pytest.approx((0.75, 3.0))
     assert row.price_note == "overrides apply: prompts >= 128000 tokens"
 
 
 def test_the_seeds_arithmetic() -> None:
     """60M output tokens at $2.20/M cost $132 > $100; $100 buys ~45M tokens, 7.5M per dataset."""
-    (row,) = apply_policy([endpoint("Seed")], Policy())
-    scenario = price_scenario("cheapest", row, Budget(usd=100, datasets=6, output_tokens_per_dataset=10_000_000))
+    (row,) = apply_policy([endpoint("Seed")], OPEN)
+    scenario = price_scenario("cheapest", row, make_budget(usd=100, datasets=6, output_tokens_per_dataset=10_000_000))
     assert scenario.output_cost_usd == pytest.approx(132.0)
     assert not scenario.within_budget
     assert scenario.affordable_output_tokens == 45_454_545
@@ -79,8 +93,8 @@ def test_the_seeds_arithmetic() -> None:
 
 
 def test_input_tokens_raise_the_cost() -> None:
-    (row,) = apply_policy([endpoint("Seed")], Policy())
-    budget = Budget(usd=100, datasets=6, output_tokens_per_dataset=10_000_000, input_tokens_per_output_token=0.5)
+    (row,) = apply_policy([endpoint("Seed")], OPEN)
+    budget = make_budget(usd=100, datasets=6, output_tokens_per_dataset=10_000_000, input_tokens_per_output_token=0.5)
     scenario = price_scenario("x", row, budget)
     assert scenario.input_cost_usd == pytest.approx(60e6 * 0.5 * 0.6 / 1e6)  # $18
     assert scenario.total_cost_usd == pytest.approx(150.0)
@@ -95,12 +109,11 @@ def test_plan_prices_cheapest_median_worst_and_probes() -> None:
             endpoint("C", pricing={"prompt": "0.0000004", "completion": "0.0000022"}),
             endpoint("Down", status=-10),
         ],
-        Policy(),
+        OPEN,
     )
-    verify = Verify(
-        probes=Probes(prompts=25, completions_per_prompt=2, max_tokens=64, mean_prompt_tokens=60), max_probes_per_provider=50
-    )
-    plan = plan_budget(rows, Budget(usd=100, datasets=6, output_tokens_per_dataset=10_000_000), verify)
+    probes = changed(SHIPPED.verify.probes, prompts=25, completions_per_prompt=2, max_tokens=64, mean_prompt_tokens=60)
+    verify = changed(SHIPPED.verify, probes=probes, max_probes_per_provider=50)
+    plan = plan_budget(rows, make_budget(usd=100, datasets=6, output_tokens_per_dataset=10_000_000), verify)
     assert [(s["scenario"], s["provider"]) for s in plan["scenarios"]] == [("cheapest", "A"), ("median", "C"), ("worst", "B")]
     assert plan["candidates"] == 3
     assert plan["verification"]["requests"] == 300  # worst case: every provider audited to its 50th probe, 2 each
@@ -111,8 +124,8 @@ def test_plan_prices_cheapest_median_worst_and_probes() -> None:
 
 
 def test_plan_without_candidates() -> None:
-    rows = apply_policy([endpoint("X", quantization="fp4")], Policy(allowed_quantizations=("int4",)))
-    plan = plan_budget(rows, Budget(usd=10, datasets=1, output_tokens_per_dataset=1000), Verify())
+    rows = apply_policy([endpoint("X", quantization="fp4")], changed(OPEN, allowed_quantizations=("int4",)))
+    plan = plan_budget(rows, make_budget(usd=10, datasets=1, output_tokens_per_dataset=1000), SHIPPED.verify)
     assert plan["candidates"] == 0 and plan["scenarios"] == [] and plan["verification"]["cost_usd"] == 0
 
 
@@ -136,6 +149,6 @@ def test_two_endpoints_of_one_provider_are_planned_apart() -> None:
     rows = apply_policy(
         [endpoint("DeepInfra", tag="deepinfra/fp8", quantization="fp8"), endpoint("DeepInfra", tag="deepinfra/int4")], POLICY
     )
-    plan = plan_budget(rows, Budget(usd=100, datasets=1, output_tokens_per_dataset=10**6), Verify())
+    plan = plan_budget(rows, make_budget(usd=100, datasets=1, output_tokens_per_dataset=10**6), SHIPPED.verify)
     assert set(plan["verification"]["per_endpoint_usd"]) == {"deepinfra/fp8", "deepinfra/int4"}
-    assert plan["verification"]["cost_usd"] == pytest.approx(2 * probe_cost(rows[0], Verify()), abs=1e-6)
+    assert plan["verification"]["cost_usd"] == pytest.approx(2 * probe_cost(rows[0], SHIPPED.verify), abs=1e-6)

@@ -21,11 +21,6 @@ VERDICT_COLORS = {"equivalent": "#228833", "different": "#cc3311", "inconclusive
 """Verdict colours (Paul Tol's bright scheme), on the plots and the page alike."""
 
 
-def file_name(tag: str) -> str:
-    """The PNG file of an endpoint's plot (``deepinfra/fp4`` -> ``deepinfra-fp4.png``)."""
-    return re.sub(r"[^a-z0-9]+", "-", tag.lower()).strip("-") + ".png"
-
-
 def subplots(columns: int = 1, *, height: float = 3.2, **options: Any) -> tuple[Any, Any]:
     """A figure ``WIDTH_IN`` wide with ``columns`` panels side by side."""
     import matplotlib

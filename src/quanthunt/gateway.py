@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import email.utils
 import functools
-import ipaddress
 import json
 import math
 import os
@@ -47,6 +46,7 @@ from quanthunt.defaults import (
 from quanthunt.errors import ConfigError, QuanthuntError
 from quanthunt.redaction import redact
 from quanthunt.spec import LIMIT_SOURCES
+from quanthunt.urls import check_base_url, is_loopback
 
 API_KEY_ENV = "OPENROUTER_API_KEY"
 MAX_ERROR_CHARS = 600
@@ -56,35 +56,6 @@ MAX_RETRY_AFTER_S = 300.0
 
 
 # -- base URLs and keys ---------------------------------------------------------------
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def check_base_url(url: str) -> str:
-    """An https URL, or plain http to a loopback host (the sandbox, a local server).
-
-    Raises ``ValueError`` naming the problem; returns the URL without a trailing slash.
-    """
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http(s) URL, got {one_line(url, 80)!r}")
-    try:
-        parts.port  # noqa: B018 - raises for a port that is not a number in range
-        httpx.URL(url)
-    except (ValueError, httpx.InvalidURL):
-        raise ValueError(f"is not a usable URL: {one_line(url, 80)!r}") from None
-    if parts.scheme == "http" and not is_loopback(parts.hostname):
-        raise ValueError(f"plain http is only allowed to a loopback host; use https for {parts.hostname}")
-    if parts.username or parts.password:
-        raise ValueError(f"must not carry credentials; the API key comes from {API_KEY_ENV}")
-    return url.rstrip("/")
 
 
 class ApiKey:

@@ -59,6 +59,7 @@ from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
 from quanthunt.gateway import TRANSIENT, ChatReply, GatewayError, Generation, Routing, chat_body, same_provider
 from quanthunt.ledger import BILLING, Ledger, LedgerWriter, RequestKey
 from quanthunt.monitoring import LOGPROB_TOP, Event, Monitoring
+from quanthunt.params import Retry, Sampling
 from quanthunt.prompts import PromptRecord, next_request, skeleton
 
 BILLED_UNKNOWN = frozenset({"timeout", "disconnect", "malformed", "unexpected_reply", "transport"})
@@ -84,20 +85,6 @@ class ChatClient(Protocol):
 
 Lookup = Callable[[str], Awaitable[Generation]]
 """``Gateway.generation``: a generation record by id (waits out the lookup's lag)."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float
-    top_p: float
-    max_tokens: int
-    seed: int | None
-    """When set, each request's seed is derived from it, the record id and the turn."""
-
-    def request_seed(self, record_id: str, turn: int) -> int | None:
-        if self.seed is None:
-            return None
-        return int(hashlib.sha256(f"{self.seed}:{record_id}:{turn}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
 
 
 TURN_FIELDS = ("generation_id", "finish_reason", "prompt_tokens", "completion_tokens", "cost_usd", "monitor")
@@ -136,19 +123,6 @@ class Eligible:
     def weight(self) -> float:
         """OpenRouter's load-balancing weight: 1 / price²."""
         return 1.0 / max(self.prompt_usd_per_token + self.completion_usd_per_token, 1e-12) ** 2
-
-
-@dataclass(frozen=True)
-class Retry:
-    max_attempts: int
-    base_delay_s: float
-    max_delay_s: float
-    empty_answer_max_tokens: int | None = None
-    """A turn whose answer came back empty is asked again with at least this budget."""
-
-    def delay(self, attempt: int, rng: random.Random) -> float:
-        """Exponential backoff with full jitter."""
-        return rng.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)))
 
 
 @dataclass(frozen=True)
@@ -914,13 +888,6 @@ def prepare_output(path: Path, ledger: Ledger, dataset: str, params_hash: str) -
             fh.flush()
             os.fsync(fh.fileno())
     return Repair(frozenset(in_file) | {r for r, _ in restore}, truncated, len(adopt), len(restore), edited)
-
-
-def working_file(folder: Path, dataset: str, params_hash: str) -> Path:
-    """Where a dataset's records are generated: one file per sampling params (their hash
-    keys the ledger too), so new params make a new dataset and the old params' file stays
-    whole, ready to be published again when they come back."""
-    return folder / f"{dataset}-{params_hash[:12]}.jsonl"
 
 
 def adopt_published(published: Path, working: Path, params_hash: str) -> None:

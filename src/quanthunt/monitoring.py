@@ -19,7 +19,7 @@ from quanthunt.errors import ConfigError
 from quanthunt.gateway import ChatReply, GatewayError
 from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
 from quanthunt.monitor import Observation, ProviderMonitor, Stop
-from quanthunt.params import GenerationSampling, Margins
+from quanthunt.params import Margins, Sampling
 from quanthunt.params import Monitor as MonitorParams
 from quanthunt.reference import Reference
 from quanthunt.verdicts import Verdicts
@@ -41,7 +41,7 @@ def stopped_providers(ledger: Ledger, verdicts: Verdicts) -> dict[str, str]:
 
 def monitors_for(
     verdicts: Verdicts, ledger: Ledger, *, dataset: str, datasets: int, margin: Margins, settings: MonitorParams,
-    sampling: GenerationSampling,
+    sampling: Sampling,
 ) -> dict[str, ProviderMonitor]:  # fmt: skip
     """One monitor per eligible provider, continuing the verify stage's audit, restored
     from the ledger when an earlier run of ``dataset`` left one. The error budget

@@ -1,5 +1,7 @@
 """``params.yaml``, typed. One section per stage plus the shared ones; unknown keys,
 wrong types and impossible values are refused with the file and the field named.
+Every field is required: ``params.yaml`` is the one place a value is set and documented
+(a model here carries the rule a value must keep, never a competing default).
 
 Usage: ``params = load_params(Path("params.yaml"))``
 """
@@ -9,17 +11,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
-from urllib.parse import urlsplit
+from typing import Any, Literal
 
-import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from quanthunt import gateway
+from quanthunt import urls
 from quanthunt.config_files import field_path, one_line, parse_yaml, read_text
-from quanthunt.defaults import GATEWAY_TIMEOUT
 from quanthunt.errors import ConfigError
 from quanthunt.spec import QUANTIZATIONS
 
@@ -46,17 +47,10 @@ class _Section(BaseModel):
 
 
 def check_base_url(value: str) -> str:
-    """``sandbox``, an https URL, or http on a loopback host (a local sandbox or server);
-    the URL must also be one the HTTP client can use (a numeric port in range, no NUL)."""
+    """``sandbox`` (the built-in one), or a URL ``urls.check_base_url`` accepts."""
     if value == SANDBOX:
         return value
-    url = gateway.check_base_url(value)
-    try:
-        _ = urlsplit(url).port  # raises ValueError for a port that is not a number in 0-65535
-        httpx.URL(url)
-    except (ValueError, httpx.InvalidURL) as exc:
-        raise ValueError(f"is not a usable URL ({one_line(str(exc), 120)})") from None
-    return url
+    return urls.check_base_url(value)
 
 
 def _check_file_name(value: str) -> str:
@@ -68,30 +62,30 @@ def _check_file_name(value: str) -> str:
 class Paths(_Section):
     """Every file the pipeline reads or writes, defined once (dvc.yaml uses ``${paths.*}``)."""
 
-    survey_providers: str = "reports/survey/providers.csv"
-    survey_plan: str = "reports/survey/budget_plan.json"
-    survey_metrics: str = "reports/survey/metrics.json"
-    prompts: str = "data/prompts"
+    survey_providers: str
+    survey_plan: str
+    survey_metrics: str
+    prompts: str
     """Folder of prompt datasets, one ``<dataset>.jsonl`` (or ``.parquet``) each."""
-    verdicts: str = "reports/verify/verdicts.json"
-    verify_report: str = "reports/verify/report.html"
-    verify_plots: str = "reports/verify/plots"
-    verify_metrics: str = "reports/verify/metrics.json"
-    generated: str = "data/generated"
+    verdicts: str
+    verify_report: str
+    verify_plots: str
+    verify_metrics: str
+    generated: str
     """``<dataset>.jsonl`` per dataset: the regenerated records of the last finished run."""
-    generating: str = "state/generating"
+    generating: str
     """``<dataset>-<params hash>.jsonl``: records as they are generated, one file per
     sampling params (resumable; copied to ``generated`` when a run finishes)."""
-    generate_reports: str = "reports/generate"
-    final: str = "data/final"
+    generate_reports: str
+    final: str
     """``<dataset>.jsonl`` (SpecForge / EAGLE-3 form) and ``<dataset>.card.json`` per dataset."""
-    validate_reports: str = "reports/validate"
-    report: str = "reports/index.html"
-    plots_verification: str = "reports/plots/verification.csv"
-    plots_cost: str = "reports/plots/cost.csv"
-    ledger: str = "state/ledger.sqlite"
-    locks: str = "state/locks"
-    logs: str = "logs"
+    validate_reports: str
+    report: str
+    plots_verification: str
+    plots_cost: str
+    ledger: str
+    locks: str
+    logs: str
 
     _check = field_validator("*")(_check_file_name)
 
@@ -102,15 +96,56 @@ class Paths(_Section):
         parquet = folder / f"{dataset}.parquet"
         return parquet if parquet.exists() and not jsonl.exists() else jsonl
 
+    def of(self, root: Path, dataset: str) -> DatasetFiles:
+        """Every file of one dataset, named here once (``dvc.yaml`` spells the same names)."""
+        return DatasetFiles(
+            prompts=self.prompt_file(root, dataset),
+            generating=root / self.generating,
+            generated=root / self.generated / f"{dataset}.jsonl",
+            generate_report=root / self.generate_reports / f"{dataset}.json",
+            generate_detail=root / self.generate_reports / f"{dataset}.detail.json",
+            final=root / self.final / f"{dataset}.jsonl",
+            card=root / self.final / f"{dataset}.card.json",
+            validate_report=root / self.validate_reports / f"{dataset}.json",
+            lock=root / self.locks / f"{dataset}.lock",
+            name=dataset,
+        )
+
+    def plot(self, root: Path, tag: str) -> Path:
+        """An endpoint's verification plot (``deepinfra/fp4`` -> ``<verify_plots>/deepinfra-fp4.png``)."""
+        return root / self.verify_plots / (re.sub(r"[^a-z0-9]+", "-", tag.lower()).strip("-") + ".png")
+
+
+@dataclass(frozen=True)
+class DatasetFiles:
+    """One dataset's files (``Paths.of``)."""
+
+    name: str
+    prompts: Path
+    generating: Path
+    generated: Path
+    generate_report: Path
+    generate_detail: Path
+    final: Path
+    card: Path
+    validate_report: Path
+    lock: Path
+
+    def working(self, params_hash: str) -> Path:
+        """Where the records are generated: one file per sampling params (their hash keys
+        the ledger too), so new params make a new dataset and the old params' file stays
+        whole, ready to be published again when they come back."""
+        return self.generating / f"{self.name}-{params_hash[:12]}.jsonl"
+
 
 class Api(_Section):
-    base_url: str = SANDBOX
+    base_url: str
     _check = field_validator("base_url")(check_base_url)
 
 
 class Reference(_Section):
-    base_url: str = SANDBOX
-    model: str | None = None
+    base_url: str
+    model: str | None
     """The served model's name; null: the first one ``/models`` lists."""
     _check = field_validator("base_url")(check_base_url)
 
@@ -133,16 +168,16 @@ def _plain_json(value: Any) -> bool:
 class Reasoning(_Section):
     """How the target model's thinking is handled, by verify and generate alike."""
 
-    mode: Literal["none", "off", "on"] = "none"
+    mode: Literal["none", "off", "on"]
     """``none``: not a reasoning model (nothing is asked). ``off``: thinking disabled on both
     sides (the gateway's ``reasoning: {effort: "none"}``, the reference's chat template with
     ``template_kwargs``): answers alone are verified and bought. ``on``: the model thinks;
     verify teacher-forces prompt + reasoning + ``end_marker`` + answer and aligns over the
     whole stream, and generated turns keep their reasoning."""
-    template_kwargs: dict[str, Any] = Field(default_factory=lambda: {"thinking": False})
+    template_kwargs: dict[str, Any]
     """``chat_template_kwargs`` that turn thinking off at the reference (Kimi K2.5:
     ``thinking: false``; Qwen3: ``enable_thinking: false``)."""
-    end_marker: str = Field(default="</think>\n", min_length=1)
+    end_marker: str = Field(min_length=1)
     """The text between a reply's reasoning and its answer in the model's own output."""
 
     @field_validator("template_kwargs")
@@ -165,30 +200,30 @@ class Reasoning(_Section):
 
 
 class Sandbox(_Section):
-    roster: str | None = None
+    roster: str | None
     """A roster YAML path; ``null`` is the roster shipped with quanthunt."""
 
     _check = field_validator("roster")(lambda v: None if v is None else _check_file_name(v))
 
 
 class Tracking(_Section):
-    experiment: str = Field(default="quanthunt", min_length=1)
+    experiment: str = Field(min_length=1)
 
 
 class Policy(_Section):
     """Which providers the survey keeps as candidates."""
 
-    allowed_quantizations: tuple[str, ...] = ("int4", "int8", "fp8", "bf16", "fp16", "fp32", "unknown")
+    allowed_quantizations: tuple[str, ...]
     """Declared precisions accepted. Declared ``unknown`` stays a candidate: verification decides."""
-    ignore_providers: tuple[str, ...] = ()
+    ignore_providers: tuple[str, ...]
     """Provider names, slugs or tags never to use."""
-    max_prompt_usd_per_m: float | None = Field(default=None, ge=0)
-    max_completion_usd_per_m: float | None = Field(default=None, ge=0)
-    min_uptime: float = Field(default=0.0, ge=0, le=100)
+    max_prompt_usd_per_m: float | None = Field(ge=0)
+    max_completion_usd_per_m: float | None = Field(ge=0)
+    min_uptime: float = Field(ge=0, le=100)
     """Minimum ``uptime_last_30m`` in percent."""
-    min_status: int = Field(default=-2, le=0)
+    min_status: int = Field(le=0)
     """Lowest endpoint status accepted (0 healthy, -1/-2 degraded, -3 and below down)."""
-    require_logprobs: bool = False
+    require_logprobs: bool
 
     @field_validator("allowed_quantizations")
     @classmethod
@@ -205,32 +240,32 @@ class Budget(_Section):
     usd: float = Field(gt=0)
     datasets: int = Field(ge=1)
     output_tokens_per_dataset: int = Field(ge=1)
-    input_tokens_per_output_token: float = Field(default=0.0, ge=0)
+    input_tokens_per_output_token: float = Field(ge=0)
     """Prompt tokens sent per output token bought, to estimate input cost (0: ignore it)."""
 
 
 class Survey(_Section):
     model: str = Field(pattern=r"^[A-Za-z0-9._-]+/[A-Za-z0-9._:-]+$")
     """OpenRouter model id, ``author/slug``."""
-    policy: Policy = Policy()
+    policy: Policy
     budget: Budget
 
 
 class Probes(_Section):
     """The verification probe design, per round (the survey prices it for the budget plan)."""
 
-    prompts: int = Field(default=12, ge=2)
+    prompts: int = Field(ge=2)
     """Probe prompts per round: every undecided provider gets the next this many."""
-    completions_per_prompt: int = Field(default=1, ge=1)
+    completions_per_prompt: int = Field(ge=1)
     """Completions per prompt in logprob mode."""
-    sample_mode_completions_per_prompt: int = Field(default=3, ge=1)
+    sample_mode_completions_per_prompt: int = Field(ge=1)
     """Completions per prompt in sample mode (no provider logprobs)."""
-    max_tokens: int = Field(default=64, ge=1)
-    temperature: float = Field(default=1.0, gt=0, le=2)
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(gt=0, le=2)
     """Must be 1: the sampler check compares the sampled tokens with the reference's raw
     distribution, which is the sampling distribution only at T = 1 (and top-p 1)."""
-    top_logprobs: int = Field(default=5, ge=1, le=20)
-    mean_prompt_tokens: int = Field(default=60, ge=1)
+    top_logprobs: int = Field(ge=1, le=20)
+    mean_prompt_tokens: int = Field(ge=1)
     """Expected prompt length in tokens, for the cost estimate."""
 
     @field_validator("temperature")
@@ -248,23 +283,23 @@ class Margins(_Section):
     """Tolerances, calibrated so a faithful provider on other hardware (bf16 compute) is
     equivalent (``benchmarks/verify_power.py`` measures them)."""
 
-    mean_abs_dlogprob: float = Field(default=0.08, gt=0)
+    mean_abs_dlogprob: float = Field(gt=0)
     """Logprob mode: largest mean |Δ logprob| per token that counts as the same model."""
-    tail_dlogprob: float = Field(default=0.25, gt=0)
+    tail_dlogprob: float = Field(gt=0)
     """Logprob mode: a completion whose mean |Δ| exceeds this is extreme (and the mean
     test clips each completion here)."""
-    tail_p0: float = Field(default=0.001, gt=0, lt=1)
+    tail_p0: float = Field(gt=0, lt=1)
     """Share of extreme completions a faithful provider may produce."""
-    sampler_shift: float = Field(default=0.05, gt=0, lt=0.5)
+    sampler_shift: float = Field(gt=0, lt=0.5)
     """Both modes: mean Φ(rank z) further than this from ½ → different (½ for the
     reference's own sampler)."""
-    sampler_equivalence: float = Field(default=0.15, gt=0, lt=0.5)
+    sampler_equivalence: float = Field(gt=0, lt=0.5)
     """Both modes: mean Φ(rank z) shown within ½ ± this → equivalent (wider than
     ``sampler_shift``: a margin as tight as a faithful provider's own shift would take
     thousands of completions to show from inside)."""
-    sample_tail_z: float = Field(default=2.0, gt=0)
+    sample_tail_z: float = Field(gt=0)
     """A completion whose rank z exceeds this is extreme (both modes)."""
-    sample_tail_p0: float = Field(default=0.035, gt=0, lt=1)
+    sample_tail_p0: float = Field(gt=0, lt=1)
     """Share of extreme-z completions a faithful provider may produce (1 - Φ(2) = 2.3 %
     for the reference's own text; bf16 compute shifts z up a little: 3.8 % measured)."""
 
@@ -278,47 +313,47 @@ class Margins(_Section):
 
 
 class Decision(_Section):
-    alpha: float = Field(default=0.05, gt=0, lt=1)
-    correction: Literal["holm", "bh"] = "holm"
+    alpha: float = Field(gt=0, lt=1)
+    correction: Literal["holm", "bh"]
     """Across providers: Holm on anytime-valid p-values (family-wise error) or e-BH (false
     discovery rate, any dependence)."""
-    min_power: float = Field(default=0.95, gt=0, lt=1)
+    min_power: float = Field(gt=0, lt=1)
     """``equivalent`` needs the audit to have had at least this chance of catching a
     ``mixture_share`` mixture."""
-    mixture_share: float = Field(default=0.2, gt=0, le=1)
+    mixture_share: float = Field(gt=0, le=1)
     """The smallest share of lower-precision traffic the audit must be able to catch."""
-    mixture_detection_logprob: float = Field(default=0.98, gt=0, le=1)
+    mixture_detection_logprob: float = Field(gt=0, le=1)
     """Share of a coarse precision's completions flagged extreme in logprob mode (measured
     by ``benchmarks/verify_power.py`` on NVFP4: the lower end of its 95 % interval)."""
-    mixture_detection_sample: float = Field(default=0.34, gt=0, le=1)
-    mixture_detection_tokens: int = Field(default=64, ge=1)
+    mixture_detection_sample: float = Field(gt=0, le=1)
+    mixture_detection_tokens: int = Field(ge=1)
     """The probe length (``probes.max_tokens``) both rates were measured at: shorter probes
     flag fewer coarse completions, so the stage refuses them until the rates are measured
     again (``benchmarks/verify_power.py --tokens``)."""
     """The same in sample mode (rank z beyond ``sample_tail_z``)."""
-    max_failed_share: float = Field(default=0.25, ge=0, le=1)
+    max_failed_share: float = Field(ge=0, le=1)
     """More failed probe requests than this makes a provider inconclusive."""
 
 
 class Verify(_Section):
-    seed: int = 0
-    probes: Probes = Probes()
-    max_probes_per_provider: int = Field(default=180, ge=2)
+    seed: int
+    probes: Probes
+    max_probes_per_provider: int = Field(ge=2)
     """Probe prompts a provider is audited with at most (over all rounds) before it is
     ``inconclusive``."""
-    margin: Margins = Margins()
-    decision: Decision = Decision()
-    audit_declared_excluded: bool = True
+    margin: Margins
+    decision: Decision
+    audit_declared_excluded: bool
     """Also audit providers the survey excluded only for their declared precision, to check
     the declaration (they stay excluded whatever the verdict)."""
-    max_cost_usd: float = Field(default=1.0, gt=0)
+    max_cost_usd: float = Field(gt=0)
     """The stage refuses to start when the planned probe cost (every provider audited to
     ``max_probes_per_provider``) exceeds this."""
-    concurrency: int = Field(default=32, ge=1, le=2000)
+    concurrency: int = Field(ge=1, le=2000)
     """Probe requests in flight at most: the ceiling of the adaptive limit, which halves when
     a request times out and grows back as requests succeed (``quanthunt.congestion``)."""
-    max_attempts: int = Field(default=3, ge=1, le=10)
-    request_timeout_s: float = Field(default=cast(float, GATEWAY_TIMEOUT.read), gt=0, le=3600)
+    max_attempts: int = Field(ge=1, le=10)
+    request_timeout_s: float = Field(gt=0, le=3600)
     """How long a probe request may wait for its reply once sent, plus ``max_tokens`` at the
     slowest output rate (``gateway.read_timeout_s``); time queued behind our own limit does
     not count. A request that times out is retried under the lowered limit."""
@@ -337,65 +372,79 @@ class Verify(_Section):
         return self
 
 
-class GenerationSampling(_Section):
-    temperature: float = Field(default=0.7, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    max_tokens: int = Field(default=256, ge=1)
-    seed: int | None = 0
+class Sampling(_Section):
+    """How generation samples (``generate.sampling``); its values key the ledger and the
+    working file (``generation.params_hash``)."""
+
+    temperature: float = Field(ge=0, le=2)
+    top_p: float = Field(gt=0, le=1)
+    max_tokens: int = Field(ge=1)
+    seed: int | None
     """Each request's seed derives from this, the record and the turn; null sends none."""
 
+    def request_seed(self, record_id: str, turn: int) -> int | None:
+        if self.seed is None:
+            return None
+        return int(hashlib.sha256(f"{self.seed}:{record_id}:{turn}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
 
-class GenerateRetry(_Section):
-    max_attempts: int = Field(default=6, ge=1, le=100)
-    base_delay_s: float = Field(default=0.5, gt=0)
-    max_delay_s: float = Field(default=30.0, gt=0)
-    empty_answer_max_tokens: int | None = Field(default=None, ge=1)
+
+class Retry(_Section):
+    """How a failed generation request is retried (``generate.retry``)."""
+
+    max_attempts: int = Field(ge=1, le=100)
+    base_delay_s: float = Field(ge=0)
+    max_delay_s: float = Field(ge=0)
+    empty_answer_max_tokens: int | None = Field(ge=1)
     """``max_tokens`` of a turn asked again after an empty answer (a reasoning model's
     thinking ate the budget); null: the same budget again."""
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """Exponential backoff with full jitter."""
+        return rng.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)))
 
 
 class Monitor(_Section):
     """Re-verification during generation (``quanthunt.monitor``)."""
 
-    share: float = Field(default=0.05, ge=0, le=1)
+    share: float = Field(ge=0, le=1)
     """Share of each provider's production requests that also ask for logprobs (sample
     mode: whose text is scored) and are scored at the reference in the background. 0: off."""
-    alpha: float = Field(default=0.05, gt=0, lt=1)
+    alpha: float = Field(gt=0, lt=1)
     """Chance that any faithful provider is ever stopped, over every dataset of one
     verification (divided across providers and datasets)."""
-    checkpoint_every: int = Field(default=8, ge=1)
+    checkpoint_every: int = Field(ge=1)
     """Monitored replies per checkpoint: records served since the checkpoint before the
     estimated change are quarantined."""
-    concurrency: int = Field(default=4, ge=1, le=256)
+    concurrency: int = Field(ge=1, le=256)
     """Scorings in flight at the reference."""
-    max_unscored: int = Field(default=8, ge=1)
+    max_unscored: int = Field(ge=1)
     """Monitored replies of one provider still waiting for their score: beyond it the
     provider gets no new requests (the others take them) until the reference catches up,
     so what a provider serves unvetted stays bounded however slow the reference."""
 
 
 class Generate(_Section):
-    max_records: int | None = Field(default=None, ge=1)
+    max_records: int | None = Field(ge=1)
     """Records taken from each dataset, in file order (null: all)."""
-    sampling: GenerationSampling = GenerationSampling()
-    concurrency: int = Field(default=2000, ge=1, le=20000)
-    ramp_up_s: float = Field(default=1.0, ge=0, le=600)
+    sampling: Sampling
+    concurrency: int = Field(ge=1, le=20000)
+    ramp_up_s: float = Field(ge=0, le=600)
     """The first ``concurrency`` requests are spread over this many seconds (0: all at once)."""
-    max_usd_per_run: float = Field(default=10.0, gt=0)
+    max_usd_per_run: float = Field(gt=0)
     """Hard cap on one run's spend, whatever the concurrency."""
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(ge=1)
     """Token budget per dataset, all runs together (null: none)."""
-    data_collection: Literal["allow", "deny"] = "deny"
-    quantizations: tuple[str, ...] | None = None
+    data_collection: Literal["allow", "deny"]
+    quantizations: tuple[str, ...] | None
     """Also filter on declared quantization in the routing request (null: verification decides)."""
-    retry: GenerateRetry = GenerateRetry()
-    monitor: Monitor = Monitor()
-    request_timeout_s: float = Field(default=180.0, gt=0)
+    retry: Retry
+    monitor: Monitor
+    request_timeout_s: float = Field(gt=0)
     """A request with no complete reply after this long is abandoned (possibly billed) and retried."""
-    stop_grace_s: float = Field(default=30.0, ge=0)
+    stop_grace_s: float = Field(ge=0)
     """After a first Ctrl-C or SIGTERM, requests in flight get this long to come back (they
     are paid for either way) before they are cut off; a second Ctrl-C cuts them off at once."""
-    progress_interval_s: float = Field(default=10.0, gt=0)
+    progress_interval_s: float = Field(gt=0)
     """Seconds between plain progress lines when the output is not a terminal."""
 
     @field_validator("quantizations")
@@ -408,30 +457,30 @@ class Generate(_Section):
 
 
 class Validate(_Section):
-    max_truncated_share: float = Field(default=0.05, ge=0, le=1)
+    max_truncated_share: float = Field(ge=0, le=1)
     """Largest share of assistant turns that may stop at ``max_tokens`` (before they are
     removed from the export); beyond it the stage fails: raise ``max_tokens``."""
-    unfinished: Literal["cut", "drop"] = "cut"
+    unfinished: Literal["cut", "drop"]
     """A record with an unfinished turn (cut at ``max_tokens``, filtered) is exported up
     to the turn before it (``cut``; dropped if that is its first) or not at all (``drop``)."""
-    max_failure_examples: int = Field(default=5, ge=1, le=100)
+    max_failure_examples: int = Field(ge=1, le=100)
 
 
 class Params(_Section):
     """The whole ``params.yaml``."""
 
-    paths: Paths = Paths()
-    api: Api = Api()
-    reference: Reference = Reference()
-    reasoning: Reasoning = Reasoning()
-    sandbox: Sandbox = Sandbox()
-    tracking: Tracking = Tracking()
+    paths: Paths
+    api: Api
+    reference: Reference
+    reasoning: Reasoning
+    sandbox: Sandbox
+    tracking: Tracking
     datasets: tuple[str, ...] = Field(min_length=1)
     """Prompt datasets, by name: ``<paths.prompts>/<name>.jsonl``."""
     survey: Survey
-    verify: Verify = Verify()
-    generate: Generate = Generate()
-    validate_: Validate = Field(default=Validate(), alias="validate")
+    verify: Verify
+    generate: Generate
+    validate_: Validate = Field(alias="validate")
 
     @field_validator("datasets")
     @classmethod

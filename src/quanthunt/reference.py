@@ -42,7 +42,8 @@ import numpy as np
 
 from quanthunt.defaults import GATEWAY_LIMITS, GATEWAY_TIMEOUT
 from quanthunt.errors import ConfigError
-from quanthunt.gateway import ApiKey, GatewayError, check_base_url
+from quanthunt.gateway import ApiKey, GatewayError
+from quanthunt.urls import check_base_url
 
 REFERENCE_KEY_ENV = "REFERENCE_API_KEY"
 """Optional bearer key for a reference server started with ``--api-key``."""

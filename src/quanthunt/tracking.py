@@ -38,6 +38,7 @@ from pydantic import BaseModel
 
 from quanthunt import __version__
 from quanthunt.errors import EXIT_INTERRUPTED, QuanthuntError
+from quanthunt.params import section_digest
 from quanthunt.redaction import redact, redact_data
 
 PARAM_VALUE_LIMIT = 6000
@@ -344,7 +345,7 @@ def stage_run(stage: str, *, params: BaseModel, section: BaseModel, root: Path, 
         **tags,
         "dvc.stage": os.environ.get("DVC_STAGE") or stage,
         "quanthunt.stage": stage,
-        "quanthunt.params_sha256": hashlib.sha256(json.dumps(section_json, sort_keys=True).encode()).hexdigest(),
+        "quanthunt.params_sha256": section_digest(section),
         PROCESS_TAG: process_identity(),
     }
     parent_id = None

@@ -45,7 +45,7 @@ from quanthunt import stats
 from quanthunt.congestion import AdaptiveLimit
 from quanthunt.defaults import GATEWAY_TIMEOUT
 from quanthunt.gateway import TRANSIENT, ChatReply, Gateway, GatewayError, Routing, TokenLogprob, chat_body
-from quanthunt.params import Reasoning
+from quanthunt.params import Params, Reasoning
 from quanthunt.prompts import PromptRecord, skeleton
 from quanthunt.reference import PARTIAL, Position, Reference, Scored, canonical_name, merge_by_name
 from quanthunt.verdicts import ProviderVerdict
@@ -109,6 +109,22 @@ class Design:
     top_logprobs: int
     max_attempts: int
     reasoning: Reasoning
+
+    @classmethod
+    def of(cls, params: Params) -> Design:
+        """The design ``params.yaml`` asks for (``verify``, its ``probes``, ``reasoning``)."""
+        v, p = params.verify, params.verify.probes
+        return cls(
+            model=params.survey.model,
+            seed=v.seed,
+            completions_per_prompt=p.completions_per_prompt,
+            sample_mode_completions_per_prompt=p.sample_mode_completions_per_prompt,
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_logprobs=p.top_logprobs,
+            max_attempts=v.max_attempts,
+            reasoning=params.reasoning,
+        )
 
 
 # -- measurements ------------------------------------------------------------------------

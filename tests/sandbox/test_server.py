@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from quanthunt.errors import ConfigError
-from quanthunt.sandbox.server import SandboxProcess, is_loopback
+from quanthunt.sandbox.server import SandboxProcess
+from quanthunt.urls import is_loopback
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -4,7 +4,6 @@ process that a stage or a test starts on a free loopback port and stops afterwar
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import selectors
 import signal
@@ -19,18 +18,10 @@ from typing import IO
 
 from quanthunt.defaults import SANDBOX_HOST, SANDBOX_STARTUP_TIMEOUT_S
 from quanthunt.errors import SandboxError
+from quanthunt.urls import is_loopback
 
 READY_PREFIX = "quanthunt sandbox serving "
 MODES = ("model", "latency")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bind(host: str, port: int) -> socket.socket:

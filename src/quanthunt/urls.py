@@ -1,0 +1,42 @@
+"""The base URLs quanthunt talks to, checked in one place: ``params.yaml`` (``api`` and
+``reference``), the gateway and reference clients and the sandbox all use these."""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+import httpx
+
+from quanthunt.config_files import one_line
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (``[::1]`` as a URL writes it, too)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_base_url(url: str) -> str:
+    """An https URL, or plain http to a loopback host (the sandbox, a local server), that
+    the HTTP client can use (a numeric port in range, no credentials).
+
+    Raises ``ValueError`` naming the problem; returns the URL without a trailing slash.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http(s) URL, got {one_line(url, 80)!r}")
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not a number in range
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL):
+        raise ValueError(f"is not a usable URL: {one_line(url, 80)!r}") from None
+    if parts.scheme == "http" and not is_loopback(parts.hostname):
+        raise ValueError(f"plain http is only allowed to a loopback host; use https for {parts.hostname}")
+    if parts.username or parts.password:
+        raise ValueError("must not carry credentials; the API key comes from the environment")
+    return url.rstrip("/")
