@@ -14,289 +14,41 @@ interrupted run leaves the last good output and metrics as they were.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import time
-import uuid
 from pathlib import Path
 
 from rich.console import Console
-from rich.live import Live
-from rich.table import Table
 
-from quanthunt.connection import Targets, open_targets
-from quanthunt.errors import EXIT_INTERRUPTED, EXIT_OUT_OF_BUDGET, ConfigError
-from quanthunt.gateway import AiohttpChat, Gateway, GatewayError, Routing, resolve_api_key
-from quanthunt.generation import (
-    Eligible,
-    Engine,
-    Job,
-    Progress,
-    RecordSink,
-    StopRun,
-    adopt_published,
-    params_hash,
-    prepare_output,
-    publish,
-    reconcile_earlier,
-)
-from quanthunt.interrupts import StopSignals
-from quanthunt.ledger import Ledger, LedgerWriter
+from quanthunt.connection import open_targets
+from quanthunt.errors import ConfigError
+from quanthunt.generate_run import detail, done_line, eligible_providers, log_run, run, run_failure, summary
+from quanthunt.generation import publish
 from quanthunt.locking import exclusive
-from quanthunt.monitoring import LOGPROB_TOP, UNLOGGED, Monitoring, check_reference, monitors_for, stopped_providers
 from quanthunt.outputs import write_atomic
-from quanthunt.params import Params
-from quanthunt.prompts import count_prompts, iter_prompts
-from quanthunt.reference import Reference
+from quanthunt.prompts import count_prompts
 from quanthunt.stage import Stage
-from quanthunt.survey import read_providers
-from quanthunt.tracking import StageRun
-from quanthunt.verdicts import Verdicts, load_verdicts
-from quanthunt.verification import Scorer
-
-
-def generation_params_hash(params: Params) -> str:
-    return params_hash(params.survey.model, params.generate.sampling.model_dump(mode="json"), params.reasoning.mode)
-
-
-def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...], Verdicts]:
-    verdicts = load_verdicts(root / params.paths.verdicts)
-    if verdicts.model != params.survey.model:
-        raise ConfigError(
-            f"{root / params.paths.verdicts}: verdicts are for {verdicts.model}, not {params.survey.model}; rerun verify"
-        )
-    survey = {r.tag: r for r in read_providers(root / params.paths.survey_providers)}
-    chosen = []
-    for v in verdicts.eligible():
-        row = survey.get(v.tag)
-        if row is None:
-            raise ConfigError(f"{root / params.paths.survey_providers}: {v.tag} is verified but missing; rerun the survey")
-        chosen.append(
-            Eligible(
-                name=v.provider,
-                tag=v.tag,
-                declared_quantization=v.declared_quantization,
-                verdict=v.verdict,
-                prompt_usd_per_token=row.prompt_usd_per_m / 1e6,
-                completion_usd_per_token=row.completion_usd_per_m / 1e6,
-                context_length=row.context_length,
-                siblings=tuple(t for t in survey if t != v.tag),
-                verdict_run_id=v.mlflow_run_id,
-            )
-        )
-    if not chosen:
-        raise ConfigError(
-            f"{root / params.paths.verdicts}: no provider was verified equivalent; nothing can generate training data"
-        )
-    return tuple(chosen), verdicts
-
-
-def limited(path: Path, max_records: int | None, skip: frozenset[str]):  # type: ignore[no-untyped-def]
-    """Stream the dataset's first ``max_records`` records that are not finished yet (the
-    file was checked whole by ``count_prompts`` before the run, so ids are not held)."""
-    for index, record in enumerate(iter_prompts(path, unique_ids=False)):
-        if max_records is not None and index >= max_records:
-            return
-        if record.id not in skip:
-            yield record
-
-
-def status_table(job: Job, p: Progress, spent: float) -> Table:
-    elapsed = max(time.monotonic() - p.started, 1e-9)
-    done = p.records_done_before + p.records_done
-    table = Table.grid(padding=(0, 2))
-    table.add_row(
-        f"[b]{job.dataset}[/b]",
-        f"records {done}/{p.records_total}",
-        f"failed {p.records_failed}",
-        f"skipped {p.records_skipped}",
-        f"in flight {p.in_flight}",
-    )
-    budget = f"/{job.max_output_tokens:,}" if job.max_output_tokens else ""
-    rate = p.requests_ok / elapsed
-    left = p.records_total - done - p.records_failed - p.records_skipped
-    eta = f"{left / (p.records_done / elapsed):.0f} s" if p.records_done else "?"
-    table.add_row(
-        f"tokens {p.output_tokens_before + p.output_tokens:,}{budget}",
-        f"${spent:.4f} of ${job.max_usd:g}",
-        f"{rate:.1f} req/s",
-        f"ETA {eta}",
-    )
-    retries = ", ".join(f"{k} {n}" for k, n in p.retries.most_common(4)) or "none"
-    errors = ", ".join(f"{k} {n}" for k, n in p.errors.most_common(4)) or "none"
-    table.add_row(f"retries: {retries}", f"errors: {errors}")
-    return table
-
-
-async def run(
-    params: Params, root: Path, dataset: str, targets: Targets, console: Console, *, total: int
-) -> tuple[Job, Engine, StopSignals, dict[str, int]]:
-    paths, g = params.paths, params.generate
-    ledger = Ledger(root / paths.ledger)
-    providers, verdicts = eligible_providers(params, root)
-    stopped = stopped_providers(ledger, verdicts)
-    for tag, where in stopped.items():
-        console.print(f"[yellow]monitor: not routing to {tag}: its monitor stopped it (dataset {where}); rerun verify[/]")
-    providers = tuple(p for p in providers if p.tag not in stopped)
-    if not providers:
-        raise StopRun(
-            f"every eligible provider was stopped by its monitor ({', '.join(sorted(stopped))}); rerun verify, then generate",
-            EXIT_OUT_OF_BUDGET,
-        )
-    monitors = monitors_for(verdicts, ledger, dataset=dataset, datasets=len(params.datasets), margin=params.verify.margin,
-                            settings=g.monitor, sampling=g.sampling)  # fmt: skip
-    params_hash = generation_params_hash(params)
-    job = Job(
-        dataset=dataset,
-        model=params.survey.model,
-        sampling=g.sampling,
-        providers=providers,
-        routing=Routing(data_collection=g.data_collection, quantizations=g.quantizations),
-        params_hash=params_hash,
-        run_id=uuid.uuid4().hex,
-        max_usd=g.max_usd_per_run,
-        max_output_tokens=g.max_output_tokens,
-        concurrency=g.concurrency,
-        ramp_up_s=g.ramp_up_s,
-        retry=g.retry,
-        verification_run_id=verdicts.verification_run_id,
-        reasoning=params.reasoning.request(),
-    )
-    files = paths.of(root, dataset)
-    prompts = files.prompts
-    output = files.working(params_hash)
-    adopt_published(files.generated, output, params_hash)
-    recovered = ledger.recover(dataset)
-    repair = prepare_output(output, ledger, dataset, params_hash)
-    if repair.truncated_bytes or repair.adopted or repair.restored or recovered:
-        console.print(
-            f"resumed {dataset}: {len(repair.done_ids)} records already done; {recovered} requests were in flight "
-            f"(counted as possibly billed); cut {repair.truncated_bytes} bytes of a half-written line; adopted "
-            f"{repair.adopted} and restored {repair.restored} records"
-        )
-    if repair.edited:
-        example = repair.edited[0]
-        console.print(
-            f"[yellow]warning: {len(repair.edited)} records in {output} differ from the ledger (e.g. {example}); "
-            "validation will name them[/]"
-        )
-    writer = LedgerWriter(ledger)
-    writer.start()
-    sink = RecordSink(output, ledger, writer, dataset, params_hash)
-    sink.start()
-    api_key = resolve_api_key(targets.api_url)
-    try:
-        async with (
-            AiohttpChat(targets.api_url, api_key=api_key, timeout_s=g.request_timeout_s) as chat,
-            Gateway(targets.api_url, api_key=api_key) as gateway,
-            Reference(targets.reference_url, model=params.reference.model) as reference,
-        ):
-            await check_gateway(gateway, targets.api_url)
-            monitoring = None
-            if g.monitor.share > 0 and any(m.monitored for m in monitors.values()):
-                await check_reference(reference, verdicts, targets.reference_url)
-                scorer = Scorer(reference, params.reasoning, top_logprobs=LOGPROB_TOP, attempts=params.verify.max_attempts)
-                monitoring = Monitoring(
-                    monitors, scorer, ledger, writer, verification_run_id=verdicts.verification_run_id or UNLOGGED,
-                    dataset=dataset, settings=g.monitor, say=lambda line: console.print(f"[red]{line}[/]"),
-                )  # fmt: skip
-            for tag in sorted(t for t, m in monitors.items() if not m.monitored):
-                console.print(f"[yellow]monitor: {tag} is not monitored (sample mode; its rank test needs temperature 1 "
-                              "and top-p 1)[/]")  # fmt: skip
-            await reconcile_earlier(ledger, dataset, gateway.generation)
-            engine = Engine(job, chat, ledger, writer, sink, done_turns=ledger.done_turns(dataset, params_hash),
-                            monitoring=monitoring)  # fmt: skip
-            engine.progress.records_total = total
-            engine.progress.records_done_before = len(repair.done_ids)
-            engine.progress.output_tokens_before = ledger.output_tokens(dataset, params_hash)
-            records = limited(prompts, g.max_records, repair.done_ids)
-            display = asyncio.ensure_future(show_progress(engine, job, console, g.progress_interval_s))
-            work = asyncio.ensure_future(engine.run(records))
-            try:
-                with StopSignals(work, grace_s=g.stop_grace_s, on_first=engine.stop) as signals:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await work
-                    if signals.received:
-                        ended = "were cut off" if signals.cut_short else "finished"
-                        console.print(f"[yellow]{signals.reason}: sent nothing more; the requests in flight {ended}[/]")
-                    if work.cancelled() and not signals.cut_short:
-                        raise asyncio.CancelledError
-                    if monitoring is not None and not signals.cut_short:
-                        await monitoring.close()
-            finally:
-                display.cancel()
-            if not signals.cut_short:
-                await engine.reconcile(gateway.generation)
-    finally:
-        await sink.close()
-        await writer.close()
-    counts = ledger.state_counts(dataset)
-    ledger.close()
-    return job, engine, signals, counts
-
-
-async def check_gateway(gateway: Gateway, url: str) -> None:
-    """One cheap read before any money moves: an unreachable gateway is a fast, clear exit 2."""
-    try:
-        await gateway.key()
-    except GatewayError as error:
-        if error.kind in ("connect", "timeout"):
-            raise ConfigError(f"api.base_url: cannot reach the gateway at {url} ({error})") from None
-        raise
-
-
-async def show_progress(engine: Engine, job: Job, console: Console, interval_s: float) -> None:
-    if console.is_terminal:
-        with Live(status_table(job, engine.progress, engine.budget.spent_usd), console=console, refresh_per_second=4) as live:
-            while True:
-                await asyncio.sleep(0.25)
-                live.update(status_table(job, engine.progress, engine.budget.spent_usd))
-    while True:
-        await asyncio.sleep(interval_s)
-        p = engine.progress
-        console.print(
-            f"{job.dataset}: {p.records_done_before + p.records_done}/{p.records_total} records, "
-            f"{p.in_flight} in flight, {p.output_tokens} tokens, ${engine.budget.spent_usd:.4f} spent, "
-            f"retries {sum(p.retries.values())}, errors {sum(p.errors.values())}"
-        )
 
 
 def main(dataset: str, params_path: Path, *, console: Console | None = None) -> None:
     """Run the generate stage for ``dataset`` with the params file at ``params_path``."""
     stage = Stage.open("generate", params_path, console, dataset=dataset)
-    params, root, paths, console = stage.params, stage.root, stage.paths, stage.console
-    files = paths.of(root, dataset)
-    prompts = files.prompts
-    if not prompts.exists():
-        raise ConfigError(f"{prompts}: prompt dataset not found")
+    params, root, console = stage.params, stage.root, stage.console
+    files = stage.paths.of(root, dataset)
+    if not files.prompts.exists():
+        raise ConfigError(f"{files.prompts}: prompt dataset not found")
     with exclusive(files.lock, what=f"quanthunt generate {dataset}"):
         # Inputs first, before a sandbox starts or a request is sent.
         eligible_providers(params, root)
-        total = count_prompts(prompts, limit=params.generate.max_records)  # every record checked
+        total = count_prompts(files.prompts, limit=params.generate.max_records)  # every record checked
         with stage.tracked(params.generate) as mlflow_run:
-            mlflow_run.log_input(prompts, context="prompts")
-            mlflow_run.log_input(root / paths.verdicts, context="verdicts")
+            mlflow_run.log_input(files.prompts, context="prompts")
+            mlflow_run.log_input(root / stage.paths.verdicts, context="verdicts")
             with open_targets(params, root=root, stage=f"generate-{dataset}", needs_model=True) as targets:
                 job, engine, signals, counts = asyncio.run(run(params, root, dataset, targets, console, total=total))
-            progress, budget = engine.progress, engine.budget
             headline = summary(job, engine)
-            detail = {
-                **headline,
-                "skipped_reasons": dict(progress.skipped_reasons),
-                "retries": dict(progress.retries),
-                "errors": dict(progress.errors),
-                "retired_endpoints": progress.retired,
-                "monitor_stops": progress.monitor_stops,
-                "providers": dict(progress.providers),
-                "request_states": counts,
-                "monitor": engine.monitoring.summary() if engine.monitoring is not None else {"enabled": False},
-            }
-            log_run(mlflow_run, job, engine, detail)
-            done = progress.records_done_before + progress.records_done
-            console.print(
-                f"{dataset}: {done}/{progress.records_total} records done ({progress.records_done} new, "
-                f"{progress.output_tokens:,} new output tokens, ${budget.settled_usd:.4f} spent this run)"
-            )
+            details = detail(engine, headline, counts)
+            log_run(mlflow_run, job, engine, details)
+            console.print(done_line(job, engine))
             failure = run_failure(job, engine, signals, resume=f"quanthunt generate {dataset} --params {params_path}")
             if failure is not None:
                 raise failure
@@ -304,77 +56,5 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
             if working.exists():
                 publish(working, files.generated)
                 mlflow_run.log_output(files.generated)
-            write_atomic(files.generate_detail, (json.dumps(detail, indent=2) + "\n").encode())
+            write_atomic(files.generate_detail, (json.dumps(details, indent=2) + "\n").encode())
             write_atomic(files.generate_report, (json.dumps(headline, indent=2) + "\n").encode())
-
-
-def summary(job: Job, engine: Engine) -> dict[str, object]:
-    """The run's headline figures: the DVC metrics (narrow: the detail file has the rest)."""
-    progress = engine.progress
-    return {
-        "records_total": progress.records_total,
-        "records_done": progress.records_done_before + progress.records_done,
-        "records_new": progress.records_done,
-        "records_failed": progress.records_failed,
-        "records_skipped": progress.records_skipped,
-        "output_tokens_new": progress.output_tokens,
-        "spent_usd_run": round(engine.budget.settled_usd, 8),
-        "possibly_billed_usd_run": round(engine.budget.unknown_usd, 8),
-        "requests_ok": progress.requests_ok,
-        "retries_total": sum(progress.retries.values()),
-        "errors_total": sum(progress.errors.values()),
-        "quarantined": progress.quarantined,
-        "monitor_stops_total": len(progress.monitor_stops),
-        "stop_reason": progress.stop_reason,
-        "params_sha256": job.params_hash,
-    }
-
-
-def log_run(mlflow_run: StageRun, job: Job, engine: Engine, detail: dict[str, object]) -> None:
-    progress = engine.progress
-    mlflow_run.log_metrics({k: v for k, v in detail.items() if isinstance(v, int | float) and not isinstance(v, bool)})
-    mlflow_run.log_metrics(
-        {f"provider.{k}": v for k, v in progress.providers.items()} | {f"errors.{k}": v for k, v in progress.errors.items()}
-    )
-    mlflow_run.log_dict(detail, "summary.json")
-    mlflow_run.set_tags(
-        {
-            "dataset": job.dataset,
-            "providers": ",".join(sorted(progress.providers)),
-            "cost_usd": f"{engine.budget.settled_usd:.6f}",
-            "stop_reason": progress.stop_reason or "",
-        }
-    )
-    if engine.monitoring is not None:
-        for tag, monitor in engine.monitoring.monitors.items():
-            mlflow_run.log_series(f"monitor.{tag}.e_value", monitor.path)
-        if engine.monitoring.events:
-            mlflow_run.set_tags({"monitor.stopped": ",".join(e.tag for e in engine.monitoring.events)})
-            mlflow_run.log_dict({"stops": [{"tag": e.tag, **e.stop.__dict__} for e in engine.monitoring.events]},
-                                "monitor_events.json")  # fmt: skip
-
-
-def run_failure(job: Job, engine: Engine, signals: StopSignals, *, resume: str) -> StopRun | None:
-    """Why the run did not finish, as the error the stage exits with (None: it finished)."""
-    progress = engine.progress
-    so_far = (
-        f"{progress.records_done_before + progress.records_done} of {progress.records_total} records of {job.dataset} are done"
-    )
-    kept = "finished records are kept and not paid for again"
-    if signals.received:
-        cut = "requests still in flight were cut off (counted as possibly billed); " if signals.cut_short else ""
-        return StopRun(f"{signals.reason}: {so_far}; {cut}resume with `{resume}` ({kept})", EXIT_INTERRUPTED)
-    fatal = engine.fatal
-    if fatal is not None:
-        if fatal.exit_code == EXIT_OUT_OF_BUDGET:
-            return StopRun(f"stopped: {progress.stop_reason}. {so_far}; top up the key, then resume with `{resume}` ({kept})",
-                           EXIT_OUT_OF_BUDGET)  # fmt: skip
-        return StopRun(f"stopped: {fatal}. {so_far}; resume with `{resume}` once that is fixed", fatal.exit_code)
-    if progress.records_failed:
-        errors = ", ".join(f"{k} ×{n}" for k, n in progress.errors.most_common(3))
-        return StopRun(f"{progress.records_failed} records of {job.dataset} failed this run ({errors}); {so_far}; "
-                       f"retry them with `{resume}`", EXIT_OUT_OF_BUDGET)  # fmt: skip
-    if progress.stop_reason and "cap" in progress.stop_reason:
-        return StopRun(f"stopped: {progress.stop_reason}. {so_far}; raise generate.max_usd_per_run or resume with `{resume}`",
-                       EXIT_OUT_OF_BUDGET)  # fmt: skip
-    return None

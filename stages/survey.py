@@ -7,63 +7,21 @@ and records the run in MLflow.
 from __future__ import annotations
 
 import asyncio
-import csv
-import io
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from quanthunt.connection import open_targets
 from quanthunt.gateway import Endpoint, Gateway, ModelReasoning, resolve_api_key
 from quanthunt.outputs import Outputs
-from quanthunt.sandbox.roster import default_roster_path
 from quanthunt.stage import Stage
-from quanthunt.survey import PROVIDER_COLUMNS, ProviderRow, apply_policy, check_reasoning, plan_budget
+from quanthunt.survey import apply_policy, check_reasoning, plan_budget, providers_csv
+from quanthunt.terminal import show_survey
 
 
 async def fetch_endpoints(api_url: str, model: str) -> tuple[list[Endpoint], ModelReasoning | None]:
     async with Gateway(api_url, api_key=resolve_api_key(api_url)) as gateway:
         return await gateway.endpoints(model), await gateway.model_reasoning(model)
-
-
-def providers_csv(rows: list[ProviderRow]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=PROVIDER_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(row.as_dict() for row in rows)
-    return buffer.getvalue()
-
-
-def show(rows: list[ProviderRow], plan: dict[str, object], console: Console) -> None:
-    table = Table(title="Providers", title_justify="left")
-    for column in ("provider", "tag", "declared", "$/M in", "$/M out", "status", "uptime", "logprobs", "decision"):
-        table.add_column(column)
-    for r in rows:
-        table.add_row(
-            r.provider, r.tag, r.declared_quantization, f"{r.prompt_usd_per_m:.2f}", f"{r.completion_usd_per_m:.2f}",
-            str(r.status), f"{r.uptime_last_30m}", "yes" if r.supports_logprobs else "no", r.reason,
-        )  # fmt: skip
-    console.print(table)
-    scenarios = plan["scenarios"]
-    assert isinstance(scenarios, list)
-    budget = Table(
-        title=f"Budget plan: ${plan['budget_usd']:,} for {plan['target_output_tokens']:,} output tokens", title_justify="left"
-    )
-    for column in ("at", "endpoint", "$/M out", "cost", "within budget", "affordable tokens", "per dataset"):
-        budget.add_column(column)
-    for s in scenarios:
-        budget.add_row(
-            s["scenario"], s["tag"], f"{s['completion_usd_per_m']:.2f}", f"${s['total_cost_usd']:,.2f}",
-            "yes" if s["within_budget"] else "no",
-            f"{s['affordable_output_tokens']:,}", f"{s['affordable_output_tokens_per_dataset']:,}",
-        )  # fmt: skip
-    console.print(budget)
-    verification = plan["verification"]
-    assert isinstance(verification, dict)
-    console.print(f"Verification probes: {verification['requests']} requests, about ${verification['cost_usd']:.4f}")
-    if not plan["candidates"]:
-        console.print("[bold red]No provider passes the policy: nothing can be verified or generated.[/]")
 
 
 def main(params_path: Path, *, console: Console | None = None) -> None:
@@ -90,7 +48,7 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
             out.write_text(root / paths.survey_providers, providers_csv(rows))
             out.write_json(root / paths.survey_plan, plan)
             out.write_json(root / paths.survey_metrics, metrics)
-        show(rows, plan, console)
+        show_survey(rows, plan, console)
         run.log_metrics({**metrics, **scenarios})
         run.set_tags(
             {
@@ -104,5 +62,5 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         for path in (paths.survey_providers, paths.survey_plan, paths.survey_metrics):
             run.log_artifact(root / path)
         run.log_input(params_path, context="params")
-        if targets.sandbox is not None:
-            run.log_input(root / params.sandbox.roster if params.sandbox.roster else default_roster_path(), context="roster")
+        if targets.roster is not None:
+            run.log_input(targets.roster, context="roster")

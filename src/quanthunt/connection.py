@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quanthunt.params import SANDBOX, Params
+from quanthunt.sandbox.roster import default_roster_path
 from quanthunt.sandbox.server import SandboxProcess
 
 
@@ -19,6 +20,8 @@ class Targets:
     api_url: str
     reference_url: str
     sandbox: SandboxProcess | None = None
+    roster: Path | None = None
+    """The roster file the sandbox serves (its built-in one unless ``sandbox.roster``)."""
 
 
 @contextlib.contextmanager
@@ -43,4 +46,5 @@ def open_targets(params: Params, *, root: Path, stage: str, needs_model: bool) -
             api_url=sandbox.api_url if params.api.base_url == SANDBOX else params.api.base_url,
             reference_url=sandbox.reference_url if params.reference.base_url == SANDBOX else params.reference.base_url,
             sandbox=sandbox,
+            roster=roster or default_roster_path(),
         )

@@ -59,7 +59,7 @@ from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
 from quanthunt.gateway import TRANSIENT, ChatReply, GatewayError, Generation, Routing, chat_body, same_provider
 from quanthunt.ledger import BILLING, Ledger, LedgerWriter, RequestKey
 from quanthunt.monitoring import LOGPROB_TOP, Event, Monitoring
-from quanthunt.params import Retry, Sampling
+from quanthunt.params import Params, Retry, Sampling
 from quanthunt.prompts import PromptRecord, next_request, skeleton
 
 BILLED_UNKNOWN = frozenset({"timeout", "disconnect", "malformed", "unexpected_reply", "transport"})
@@ -172,6 +172,11 @@ def params_hash(model: str, sampling: Mapping[str, Any], reasoning: str = "none"
     if reasoning != "none":
         keyed["reasoning"] = reasoning
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
+
+
+def dataset_params_hash(params: Params) -> str:
+    """``params_hash`` of what ``params.yaml`` sets: it keys the ledger and the working file."""
+    return params_hash(params.survey.model, params.generate.sampling.model_dump(mode="json"), params.reasoning.mode)
 
 
 def estimate_prompt_tokens(messages: Iterable[Mapping[str, str]]) -> int:

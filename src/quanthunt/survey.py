@@ -8,6 +8,7 @@ candidate, and what the verification probes cost.
 from __future__ import annotations
 
 import csv
+import io
 import math
 import statistics
 from collections.abc import Sequence
@@ -223,6 +224,15 @@ def _optional_int(text: str | None) -> int | None:
 
 def _optional_float(text: str | None) -> float | None:
     return None if text in ("", "None", None) else _finite(text)
+
+
+def providers_csv(rows: list[ProviderRow]) -> str:
+    """``providers.csv``: a row per endpoint with the policy's decision (``read_providers`` reads it)."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=PROVIDER_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(row.as_dict() for row in rows)
+    return buffer.getvalue()
 
 
 def read_providers(path: Path) -> list[ProviderRow]:

@@ -1,0 +1,259 @@
+"""One verify run: which surveyed providers are audited and at what planned cost, the
+audit in rounds against the reference (``audit_all``), the verdicts with their plots,
+metrics and MLflow child runs, and the HTML report. ``stages/verify.py`` opens the
+targets and writes the outputs.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from quanthunt import decision, figures
+from quanthunt.connection import Targets
+from quanthunt.decision import Subject
+from quanthunt.errors import ConfigError
+from quanthunt.gateway import Gateway, resolve_api_key
+from quanthunt.params import Margins, Params, section_digest
+from quanthunt.prompts import load_prompts
+from quanthunt.reference import Reference
+from quanthunt.survey import CANDIDATE, ProviderRow, probe_cost, read_providers
+from quanthunt.tracking import StageRun
+from quanthunt.verdicts import ProviderVerdict, Verdicts
+from quanthunt.verification import (
+    Audit,
+    Auditor,
+    Design,
+    Probe,
+    accounted,
+    probe_limits,
+    probe_timeout,
+    select_probes,
+    summary_values,
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """A provider to audit, as the survey listed it."""
+
+    surveyed: ProviderRow
+
+    @property
+    def subject(self) -> Subject:
+        r = self.surveyed
+        return Subject(r.provider, r.tag, r.declared_quantization, r.reason)
+
+    @property
+    def logprobs(self) -> bool:
+        return self.surveyed.supports_logprobs
+
+
+def subjects_to_audit(rows: list[ProviderRow], params: Params) -> list[Row]:
+    keep = []
+    for row in rows:
+        if row.reason == CANDIDATE or (params.verify.audit_declared_excluded and row.reason.startswith("excluded: declared")):
+            keep.append(Row(row))
+    return keep
+
+
+async def audit_all(
+    params: Params, rows: list[Row], probes: list[Probe], targets: Targets, *, siblings: list[str], console: Console
+) -> tuple[list[Audit], list[int], str]:
+    """Audit every row in rounds until each is decided or has had every probe of the plan."""
+    v = params.verify
+    design = Design.of(params)
+    async with (
+        Gateway(
+            targets.api_url,
+            api_key=resolve_api_key(targets.api_url),
+            timeout=probe_timeout(v.request_timeout_s),
+            limits=probe_limits(v.concurrency),
+        ) as gateway,
+        Reference(targets.reference_url, model=params.reference.model) as reference,
+    ):
+        reference_model = (await reference.check()).model
+
+        def on_cut(before: int, after: int) -> None:
+            console.print(f"verify: a probe request timed out; in-flight limit {before} → {after} (timed-out probes are retried)")
+
+        auditor = Auditor(gateway, reference, design, concurrency=v.concurrency, siblings=siblings, on_cut=on_cut)
+        audits = [Audit(r.subject.provider, r.subject.tag, "logprob" if r.logprobs else "sample") for r in rows]
+        subjects = [r.subject for r in rows]
+
+        def settled(audits: Sequence[Audit]) -> list[bool]:
+            return [s.verdict is not None for s in decision.judge(subjects, audits, v.margin, v.decision)]
+
+        def on_round(number: int, audits: Sequence[Audit], done: Sequence[bool]) -> None:
+            left = [a.tag for a, d in zip(audits, done, strict=True) if not d]
+            console.print(f"verify: round {number} done; " + (f"undecided: {', '.join(left)}" if left else "all decided"))
+
+        rounds = await auditor.audit_rounds(audits, probes, round_size=v.probes.prompts, settled=settled, on_round=on_round)
+    return audits, rounds, reference_model
+
+
+def render_report(verdicts: Verdicts, images: dict[str, bytes]) -> str:
+    rows = []
+    for v in verdicts.providers:
+        effects = "<br>".join(f"{html.escape(k)}: {e.value:.4g} [{e.ci_low:.4g}, {e.ci_high:.4g}]" for k, e in v.effects.items())
+        tests = "<br>".join(
+            f"{html.escape(t.name)}: p={t.p_value:.3g}" + (f", adj {t.p_adjusted:.3g}" if t.p_adjusted is not None else "")
+            for t in v.tests
+        )
+        rows.append(
+            f"<tr class='{v.verdict}'><td>{html.escape(v.provider)}<br><small>{html.escape(v.tag)}</small></td>"
+            f"<td>{v.declared_quantization}</td><td>{v.mode}</td>"
+            f"<td><b>{v.verdict}</b><br><small>{html.escape(v.reason)}</small></td><td><small>{effects}</small></td>"
+            f"<td><small>{tests}</small></td><td>{', '.join(f'{k} {p:.2f}' for k, p in v.power.items())}</td>"
+            f"<td>{v.completions} in {v.rounds} round(s); e-value {v.e_value:.3g}{_unusable_html(v)}</td>"
+            f"<td>${v.cost_usd:.5f}</td></tr>"
+        )
+    plots = "".join(
+        f"<figure><img alt='{html.escape(name)}' src='{figures.data_uri(png)}'>"
+        f"<figcaption>{html.escape(name)}</figcaption></figure>"
+        for name, png in images.items()
+    )
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>quanthunt verification</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px;vertical-align:top}}
+.equivalent{{background:#e8f5e9}}.different{{background:#ffebee}}.inconclusive{{background:#fff8e1}}img{{max-width:760px}}</style></head><body>
+<h1>Verification of {html.escape(verdicts.model)}</h1>
+<p>Reference: {html.escape(verdicts.reference_model)}. α = {verdicts.alpha}, {verdicts.correction} correction across providers,
+sequential audit (testing by betting: the verdicts hold however many rounds were looked at), up to
+{len(verdicts.probe_ids)} probe prompts, total probe cost ${verdicts.cost_usd:.5f}. MLflow run {verdicts.verification_run_id}.
+Tests marked baseline are the fixed-sample tests on the first round, reported for comparison; they decide nothing.</p>
+<table><tr><th>provider</th><th>declares</th><th>mode</th><th>verdict</th><th>effects [95% CI]</th><th>tests</th><th>power</th>
+<th>audit</th><th>cost</th></tr>{"".join(rows)}</table>{plots}</body></html>
+"""
+
+
+def _unusable_html(v: ProviderVerdict) -> str:
+    notes = [f"unusable: {html.escape(v.unusable_text())}"] if v.unusable else []
+    notes += [f"{v.possibly_billed} timed out, possibly billed"] if v.possibly_billed else []
+    return "".join(f"<br><small>{note}</small>" for note in notes)
+
+
+def show(verdicts: Verdicts, console: Console) -> None:
+    table = Table(title="Verification", title_justify="left")
+    for column in ("provider", "tag", "declares", "mode", "completions", "unusable", "verdict", "reason"):
+        table.add_column(column)
+    for v in verdicts.providers:
+        table.add_row(v.provider, v.tag, v.declared_quantization, v.mode, str(v.completions), str(v.failed_requests),
+                      v.verdict, v.reason)  # fmt: skip
+    console.print(table)
+    for v in verdicts.providers:  # every probe that could not be used, and why
+        notes = [f"{v.failed_requests} of {v.completions + v.failed_requests} completions unusable ({v.unusable_text()})"]
+        notes = notes if v.unusable else []
+        if v.possibly_billed:
+            notes.append(f"{v.possibly_billed} requests timed out after they were sent (retried; they may have been billed)")
+        if notes:
+            console.print(f"verify: {v.tag}: " + "; ".join(notes), soft_wrap=True)
+
+
+def log_provider_runs(run: StageRun, verdicts: list[ProviderVerdict], margin: Margins) -> list[ProviderVerdict]:
+    out = []
+    for v in verdicts:
+        child = run.child(
+            v.tag, {"provider": v.provider, "tag": v.tag, "declared_precision": v.declared_quantization, "verdict": v.verdict}
+        )
+        child.log_metrics(
+            {f"effect.{k}": e.value for k, e in v.effects.items()}
+            | {f"power.{k}": p for k, p in v.power.items()}
+            | {"completions": v.completions, "rounds": v.rounds, "e_value": v.e_value, "failed_requests": v.failed_requests}
+            | {f"unusable.{k}": n for k, n in v.unusable.items()}
+            | {"possibly_billed": v.possibly_billed, "cost_usd": v.cost_usd}
+        )
+        child.set_tags({"reason": v.reason, "mode": v.mode, "measured_precision": v.measured_precision(margin)})
+        out.append(v.model_copy(update={"mlflow_run_id": child.run_id}))
+    return out
+
+
+def plan(params: Params, root: Path) -> tuple[list[ProviderRow], list[Row], list[Probe]]:
+    """The surveyed endpoints, the ones to audit and the probes, after the cost check."""
+    paths = params.paths
+    surveyed = read_providers(root / paths.survey_providers)
+    rows = subjects_to_audit(surveyed, params)
+    if not rows:
+        raise ConfigError(f"{root / paths.survey_providers}: no provider to verify (the survey found no candidate)")
+    cost = sum(probe_cost(r.surveyed, params.verify) for r in rows)
+    if cost > params.verify.max_cost_usd:
+        raise ConfigError(f"the planned probe cost ${cost:.4f} exceeds verify.max_cost_usd ${params.verify.max_cost_usd:g}")
+    datasets = {name: load_prompts(paths.prompt_file(root, name)) for name in params.datasets}
+    return surveyed, rows, select_probes(datasets, count=params.verify.max_probes_per_provider, seed=params.verify.seed)
+
+
+def decide(
+    params: Params,
+    run: StageRun,
+    *,
+    rows: list[Row],
+    probes: list[Probe],
+    audits: list[Audit],
+    rounds: list[int],
+    reference_model: str,
+) -> Verdicts:
+    """The verdicts of the audits (each provider's child run logged), as ``verdicts.json`` holds them."""
+    v, m, d = params.verify, params.verify.margin, params.verify.decision
+    decided = decision.verdicts([r.subject for r in rows], audits, m, d, rounds=rounds, seed=v.seed)
+    decided = log_provider_runs(run, [accounted(p, a) for p, a in zip(decided, audits, strict=True)], m)
+    verdicts = Verdicts(
+        model=params.survey.model,
+        reference_model=reference_model,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        params_sha256=section_digest(v),
+        alpha=d.alpha,
+        correction=d.correction,
+        probe_ids=[p.id for p in probes[: max(rounds, default=0) * v.probes.prompts]],
+        verification_run_id=run.run_id,
+        cost_usd=round(sum(a.cost_usd for a in audits), 8),
+        providers=decided,
+    )
+    return Verdicts.model_validate(verdicts.model_dump())
+
+
+def plots(params: Params, audits: list[Audit], verdicts: Verdicts) -> dict[str, bytes]:
+    """One PNG per provider: its measurements and its e-process against Holm's first threshold."""
+    m = params.verify.margin
+    images: dict[str, bytes] = {}
+    threshold = len(audits) / params.verify.decision.alpha  # Holm's first step: the most a provider's e-process must reach
+    for audit, verdict in zip(audits, verdicts.providers, strict=True):
+        series = summary_values(audit)
+        title = f"{verdict.tag} (declares {verdict.declared_quantization}): {verdict.verdict}"
+        if audit.mode == "logprob":
+            images[verdict.tag] = figures.logprob_audit(title, series["deltas"], series["completion_means"],
+                                                        margin=m.mean_abs_dlogprob, tail=m.tail_dlogprob,
+                                                        wealth=verdict.e_path, threshold=threshold)  # fmt: skip
+        else:
+            images[verdict.tag] = figures.sample_audit(title, series["provider"], series["reference"],
+                                                       wealth=verdict.e_path, threshold=threshold)  # fmt: skip
+    return images
+
+
+def metrics(verdicts: Verdicts) -> dict[str, float | int]:
+    """The metrics file: verdict counts, eligible endpoints, cost, probes, unusable replies."""
+    counts = {k: sum(1 for v in verdicts.providers if v.verdict == k) for k in ("equivalent", "different", "inconclusive")}
+    return {
+        **counts,
+        "eligible": len(verdicts.eligible()),
+        "cost_usd": verdicts.cost_usd,
+        "probes": len(verdicts.probe_ids),
+        "unusable_completions": sum(v.failed_requests for v in verdicts.providers),
+        "possibly_billed_requests": sum(v.possibly_billed for v in verdicts.providers),
+    }
+
+
+def tags(verdicts: Verdicts, margin: Margins) -> dict[str, str]:
+    """The run's tags: who was audited, who is eligible, declared and measured precision."""
+    return {
+        "providers": ",".join(v.tag for v in verdicts.providers),
+        "eligible": ",".join(v.tag for v in verdicts.eligible()),
+        "declared_precision": ",".join(f"{v.tag}={v.declared_quantization}" for v in verdicts.providers),
+        "measured_precision": " | ".join(f"{v.tag} {v.measured_precision(margin)}" for v in verdicts.providers),
+        "cost_usd": f"{verdicts.cost_usd:.6f}",
+    }

@@ -1,0 +1,225 @@
+"""The validate stage's work: read a generated dataset with what it must agree with (the
+verdicts, the ledger, the monitors), check it (``validation.check``), and build the final
+rows, the stage report and the provenance card that goes beside them.
+
+Usage (``stages/validate.py``)::
+
+    inputs = read_inputs(params, root, "chat")   # ConfigError naming the file
+    checked = check_dataset(inputs, params)
+    card = provenance_card(inputs, checked, params, prompts, final_text=..., validate_run_id=...)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from quanthunt import schemas
+from quanthunt.errors import ConfigError, QuanthuntError
+from quanthunt.generation import dataset_params_hash
+from quanthunt.ledger import Ledger
+from quanthunt.monitoring import UNLOGGED, monitor_card, suspect_checkpoints
+from quanthunt.params import DatasetFiles, Params, section_digest
+from quanthunt.templates import PromptCheck
+from quanthunt.tracking import git_state, search_stage_runs
+from quanthunt.validation import Checked, check
+from quanthunt.verdicts import ProviderVerdict, Verdicts, load_verdicts
+
+HEADLINE = ("records", "cost_usd", "truncated_share", "near_duplicate_share")
+"""The metrics file's numbers (``dvc metrics show`` reads a row per dataset), besides its
+status, the share of exported prompts that render to the billed token count, and
+failures: headline scalars only, so the row fits a terminal. Tokens, counts
+and per-provider and per-kind detail are in the provenance card and the MLflow run."""
+
+
+class ValidationFailed(QuanthuntError):
+    """The dataset failed a check; the report says which records and why."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A generated dataset and everything it is checked against."""
+
+    dataset: str
+    files: DatasetFiles
+    root: Path
+    lines: list[str]
+    verdicts: Verdicts
+    eligible: dict[str, ProviderVerdict]
+    """Verified-equivalent endpoints by tag."""
+    params_hash: str
+    recorded: dict[str, tuple[str, str]]
+    """Record id -> (line sha256, line) as generation wrote them to the ledger."""
+    costs: dict[str, float]
+    monitors: dict[tuple[str, str], dict[str, Any]]
+
+
+def read_inputs(params: Params, root: Path, dataset: str) -> Inputs:
+    """Read and schema-check the generated file, the verdicts and the ledger's records."""
+    paths, files = params.paths, params.paths.of(root, dataset)
+    if not files.generated.exists():
+        raise ConfigError(f"{files.generated}: generated dataset not found; run `quanthunt generate {dataset}` first")
+    verdicts = load_verdicts(root / paths.verdicts)
+    verdict_rows = [v.model_dump() for v in verdicts.providers]
+    table = schemas.frame(verdict_rows, schemas.verdicts_table.columns)
+    if failures := schemas.failures(schemas.verdicts_table, table, id_column="provider"):
+        raise ConfigError(f"{root / paths.verdicts}: {failures[0].line()}")
+    hashed = dataset_params_hash(params)
+    ledger = Ledger(root / paths.ledger)
+    try:
+        recorded = ledger.done_records(dataset, hashed)
+        costs = ledger.record_costs(dataset, hashed)
+        monitors = ledger.monitor_states(verdicts.verification_run_id or UNLOGGED)
+    finally:
+        ledger.close()
+    export = schemas.frame(
+        [{"record_id": r, "cost_usd": costs.get(r, 0.0), "line_sha256": sha} for r, (sha, _) in recorded.items()],
+        ["record_id", "cost_usd", "line_sha256"],
+    )
+    if failures := schemas.failures(schemas.ledger_export, export, id_column="record_id"):
+        raise ConfigError(f"{root / paths.ledger}: {failures[0].line()}")
+    return Inputs(
+        dataset=dataset,
+        files=files,
+        root=root,
+        lines=files.generated.read_text(encoding="utf-8").splitlines(),
+        verdicts=verdicts,
+        eligible={v.tag: v for v in verdicts.eligible()},
+        params_hash=hashed,
+        recorded=recorded,
+        costs=costs,
+        monitors=monitors,
+    )
+
+
+def check_dataset(inputs: Inputs, params: Params) -> Checked:
+    """``validation.check`` with the ``validate`` params and what ``inputs`` hold."""
+    v = params.validate_
+    return check(
+        inputs.lines,
+        max_tokens=params.generate.sampling.max_tokens,
+        eligible=[(e.tag, e.provider) for e in inputs.eligible.values()],
+        params_sha256=inputs.params_hash,
+        ledger_lines={r: sha for r, (sha, _) in inputs.recorded.items()},
+        ledger_costs=inputs.costs,
+        max_truncated_share=v.max_truncated_share,
+        reasoning=params.reasoning.mode == "on",
+        drop_unfinished=v.unfinished == "drop",
+        suspect=suspect_checkpoints(inputs.monitors, inputs.dataset),
+        first=v.max_failure_examples,
+    )
+
+
+def report(checked: Checked) -> dict[str, Any]:
+    """The stage's metrics file: pass or fail, the headline figures, the failures."""
+    return {
+        "status": "passed" if checked.ok else "failed",
+        **{k: checked.metrics[k] for k in HEADLINE},
+        "failures": [f.__dict__ for f in checked.failures],
+    }
+
+
+def failed(inputs: Inputs, checked: Checked) -> ValidationFailed:
+    first = checked.failures[0].line()
+    return ValidationFailed(
+        f"validation of {inputs.dataset} failed {len(checked.failures)} check(s); first: {first}; "
+        f"see {inputs.files.validate_report} (the previous final file is untouched)"
+    )
+
+
+def final_text(checked: Checked) -> str:
+    """The final file: one SpecForge row per line."""
+    return "".join(orjson.dumps(row).decode() + "\n" for row in checked.records)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def provenance_card(
+    inputs: Inputs, checked: Checked, params: Params, prompts: PromptCheck, *, final: str, validate_run_id: str
+) -> dict[str, Any]:
+    """What the final file is, where every record came from and what was removed or checked."""
+    m = checked.metrics
+    commit, dirty = git_state(inputs.root)
+    generation_runs = [
+        r["run_id"]
+        for r in search_stage_runs(inputs.root, params.tracking.experiment, stage="generate", last=50)
+        if r["tags"].get("dataset") == inputs.dataset
+    ]
+    return {
+        "dataset": inputs.dataset,
+        "records": m["records"],
+        "records_generated": m["records_generated"],
+        "turns": m["turns_exported"],
+        "turns_generated": m["turns"],
+        "tokens": {"prompt": m["prompt_tokens"], "completion": m["completion_tokens"]},
+        "cost_usd": m["cost_usd"],
+        "model": params.survey.model,
+        "reference_model": inputs.verdicts.reference_model,
+        "providers": _providers(inputs, m["endpoints"]),
+        "sampling": params.generate.sampling.model_dump(mode="json"),
+        "params_sha256": {
+            "generation": inputs.params_hash,
+            "validate": section_digest(params.validate_),
+            "verify": inputs.verdicts.params_sha256,
+        },
+        "git": {"commit": commit, "dirty": dirty},
+        "digests": {
+            "prompts_sha256": sha256_file(inputs.files.prompts),
+            "generated_sha256": sha256_file(inputs.files.generated),
+            "final_sha256": hashlib.sha256(final.encode()).hexdigest(),
+        },
+        "mlflow": {
+            "validate_run_id": validate_run_id,
+            "verification_run_id": inputs.verdicts.verification_run_id,
+            "generation_run_ids": generation_runs[:5],
+        },
+        "removed": {
+            "records_cut": m["records_cut"],
+            "records_dropped": m["records_dropped"],
+            "turns": m["turns_removed"],
+            "turns_by_finish_reason": m["turns_removed_by_reason"],
+            "cost_usd": m["cost_usd_removed"],
+            "why": "a turn that did not finish is never exported as complete (trainers append the end-of-turn token)",
+        },
+        "prompts": prompts.card(),
+        "quarantined": {
+            "records": m["records_quarantined"],
+            "by_provider": m["quarantined_by_provider"],
+            "why": "served by a provider after its monitor's estimated change (not exported)",
+        },
+        "checks": {
+            "passed": True,
+            **{k: m[k] for k in ("truncated_share", "near_duplicate_share", "finish_reasons", "mean_answer_chars")},
+            "ledger_cost_usd": m["ledger_cost_usd"],
+        },
+    }
+
+
+def _providers(inputs: Inputs, served: Mapping[str, int]) -> list[dict[str, Any]]:
+    """Each endpoint that served a record, with its declaration, verdict and monitor."""
+    return [
+        {
+            "provider": v.provider,
+            "tag": tag,
+            "declared_quantization": v.declared_quantization,
+            "verdict": v.verdict,
+            "verification_mode": v.mode,
+            "measured": {k: e.value for k, e in v.effects.items()},
+            "verdict_run_id": v.mlflow_run_id,
+            "records_served": served[tag],
+            "monitor": monitor_card(inputs.monitors.get((inputs.dataset, tag))),
+        }
+        for tag, v in inputs.eligible.items()
+        if served.get(tag)
+    ]
