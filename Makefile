@@ -59,7 +59,7 @@ browser:
 run: install
 	@git rev-parse --is-inside-work-tree >/dev/null 2>&1 || git init --quiet
 	@[ -d .dvc ] || $(BIN)/dvc init --quiet
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
+	PATH="$(abspath $(BIN)):$$PATH" QUANTHUNT_PIPELINE_ID="make-run-$$(date +%s)-$$$$" $(BIN)/dvc repro
 
 lint: install
 	$(BIN)/ruff check .

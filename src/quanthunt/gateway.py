@@ -496,6 +496,20 @@ def chat_body(
 # -- the client -------------------------------------------------------------------------
 
 
+def _gateway_url(base_url: str) -> tuple[str, str]:
+    """The checked base URL and its host (what error messages name)."""
+    try:
+        url = check_base_url(base_url)
+    except ValueError as exc:
+        raise ConfigError(f"gateway base URL {exc}") from None
+    return url, urlsplit(url).netloc
+
+
+def _headers(api_key: ApiKey) -> dict[str, str]:
+    """What every request to the gateway carries, from either client."""
+    return {"Authorization": f"Bearer {api_key.reveal()}", "User-Agent": f"quanthunt/{__version__}", "X-Title": "quanthunt"}
+
+
 @dataclass
 class Gateway:
     """An OpenRouter-compatible gateway at ``base_url`` (``.../api/v1``)."""
@@ -507,18 +521,10 @@ class Gateway:
     limits: httpx.Limits = field(default_factory=lambda: GATEWAY_LIMITS)
 
     def __post_init__(self) -> None:
-        try:
-            self.base_url = check_base_url(self.base_url)
-        except ValueError as exc:
-            raise ConfigError(f"gateway base URL {exc}") from None
-        self.host = urlsplit(self.base_url).netloc
+        self.base_url, self.host = _gateway_url(self.base_url)
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
-            headers={
-                "Authorization": f"Bearer {self.api_key.reveal()}",
-                "User-Agent": f"quanthunt/{__version__}",
-                "X-Title": "quanthunt",
-            },
+            headers=_headers(self.api_key),
             transport=self.transport,
             timeout=self.timeout,
             limits=self.limits,
@@ -669,11 +675,7 @@ class AiohttpChat:
 
     def __init__(self, base_url: str, *, api_key: ApiKey, timeout_s: float = GATEWAY_TIMEOUT.read or 180.0,
                  connect_timeout_s: float = GATEWAY_TIMEOUT.connect or 10.0) -> None:  # fmt: skip
-        try:
-            self.base_url = check_base_url(base_url)
-        except ValueError as exc:
-            raise ConfigError(f"gateway base URL {exc}") from None
-        self.host = urlsplit(self.base_url).netloc
+        self.base_url, self.host = _gateway_url(base_url)
         self._api_key = api_key
         self._timeout_s = timeout_s
         self._connect_timeout_s = connect_timeout_s
@@ -685,12 +687,7 @@ class AiohttpChat:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=self._timeout_s, sock_connect=self._connect_timeout_s),
-            headers={
-                "Authorization": f"Bearer {self._api_key.reveal()}",
-                "User-Agent": f"quanthunt/{__version__}",
-                "X-Title": "quanthunt",
-                "Content-Type": "application/json",
-            },
+            headers={**_headers(self._api_key), "Content-Type": "application/json"},
         )
         return self
 
