@@ -81,8 +81,8 @@ def load_error(path: Path) -> str:
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_dataset_loads(name: str) -> None:
     records = load_prompts(DATA / name)
-    assert len(records) == 40
-    assert len({r.id for r in records}) == 40
+    assert len(records) == 50
+    assert len({r.id for r in records}) == 50
     for record in records:
         assert any(t.role == "user" and t.content.strip() for t in record.conversations), record.id
         assert skeleton(record), record.id
