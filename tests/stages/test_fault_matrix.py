@@ -107,7 +107,11 @@ def test_verify_with_the_reference_down(project: Project, latency_sandbox: Calla
 @pytest.mark.parametrize("kind", FAULT_KINDS)
 def test_generate_under_provider_faults(generation_bed: Callable[..., GenerationBed], kind: str) -> None:
     # A held reply is waited for request_timeout_s (2 s) plus max_tokens (48) at 10 tokens/s: hold it longer.
-    bed = generation_bed(faults={kind: 0.3, "timeout_s": 10}, records=12, params={"generate.retry.max_attempts": 10})
+    bed = generation_bed(
+        faults={kind: 0.3, "timeout_s": 10},
+        records=12,
+        params={"generate.retry.max_attempts": 10, "generate.sampling.max_tokens": 48},
+    )
     done = bed.generate()
     assert done.returncode == 0, done.stderr
     ids = [r["id"] for r in bed.records()]

@@ -89,7 +89,7 @@ def test_out_of_credit_exits_75_and_resumes_after_top_up(generation_bed: Bed) ->
 
 
 def test_the_runs_own_cap_is_never_exceeded(generation_bed: Bed) -> None:
-    bed = generation_bed(records=60, params={"generate.max_usd_per_run": 0.003})
+    bed = generation_bed(records=60, params={"generate.max_usd_per_run": 0.003, "generate.sampling.max_tokens": 48})
     done = bed.generate()
     assert done.returncode == 75, done.stderr
     assert "spending cap" in done.stderr

@@ -35,7 +35,11 @@ def invariants(bed: GenerationBed) -> int:
 
 
 def test_kill_anywhere_then_resume(generation_bed: Callable[..., GenerationBed]) -> None:
-    bed = generation_bed(records=300, latency_ms=1000, params={"generate.max_usd_per_run": CAP, "generate.concurrency": 16})
+    bed = generation_bed(
+        records=300,
+        latency_ms=1000,
+        params={"generate.max_usd_per_run": CAP, "generate.concurrency": 16, "generate.sampling.max_tokens": 48},
+    )
     rng = random.Random(1234)
     counts = []
     for _ in range(6):
