@@ -84,7 +84,10 @@ def test_verdicts_match_the_roster_and_repeat(small: Project) -> None:
     again = small.run("verify", "--params", "params.yaml")
     assert again.returncode == 0, again.stderr
     repeat = json.loads((small.root / "reports/verify/verdicts.json").read_text())
-    assert repeat["probe_ids"] == verdicts["probe_ids"]
+    # The seeded plan is the same; the round a sample-mode provider is decided in may move by
+    # one when batching flips a sampled token at a near-tie (tests/sandbox/test_sampler.py).
+    shorter, longer = sorted((verdicts["probe_ids"], repeat["probe_ids"]), key=len)
+    assert longer[: len(shorter)] == shorter and len(longer) - len(shorter) <= 8
     assert [(p["provider"], p["verdict"]) for p in repeat["providers"]] == [
         (p["provider"], p["verdict"]) for p in verdicts["providers"]
     ]
