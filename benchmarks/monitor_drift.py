@@ -59,10 +59,10 @@ from scipy.special import logsumexp
 from scipy.stats import beta
 
 from quanthunt import stats
+from quanthunt.measurements import rank_z
 from quanthunt.monitor import MAX_COMPONENTS, Observation, ProviderMonitor, Stop, suspect_from
 from quanthunt.monitoring import LOGPROB_TOP
 from quanthunt.params import Margins, Params, load_params
-from quanthunt.verification import rank_z
 
 ROOT = Path(__file__).resolve().parents[1]
 ELIGIBLE = 4
@@ -471,10 +471,10 @@ def cost(params: Params, pools: dict[str, dict[str, list[Item]]], tokens: int, s
         return
     import torch
 
+    from quanthunt.probes import select_probes
     from quanthunt.prompts import load_prompts
     from quanthunt.sandbox.model import load_reference
     from quanthunt.sandbox.sampler import Sampler
-    from quanthunt.verification import select_probes
 
     loaded = time.perf_counter()
     model, tokenizer = load_reference()

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quanthunt.measurements import RANK_TOP_K
+from quanthunt.probes import probe_seed, select_probes
 from quanthunt.prompts import load_prompts
 from quanthunt.reference import Position
 from quanthunt.sandbox.engine import SamplingRequest
 from quanthunt.sandbox.model import PrecisionStore, cache_root, load_reference
 from quanthunt.sandbox.sampler import Sampler
-from quanthunt.verification import RANK_TOP_K, probe_seed, select_probes
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = 4

@@ -38,8 +38,8 @@ from power_pools import SERVED, Item, load_pools
 
 from quanthunt import stats
 from quanthunt.decision import Subject, judge
+from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, rank_z
 from quanthunt.params import Params, load_params
-from quanthunt.verification import RANK_TOP_K, Audit, LogprobCompletion, SampledText, rank_z
 
 ROOT = Path(__file__).resolve().parents[1]
 FAITHFUL = ("int4-native", "int4-bf16act")

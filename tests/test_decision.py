@@ -11,7 +11,7 @@ from fixtures.params import SHIPPED, changed
 
 from quanthunt import decision
 from quanthunt.decision import Subject, judge, verdicts
-from quanthunt.verification import Audit, LogprobCompletion, SampledText
+from quanthunt.measurements import Audit, LogprobCompletion, SampledText
 
 MARGIN = SHIPPED.verify.margin
 POLICY = changed(SHIPPED.verify.decision, mixture_detection_logprob=1.0, mixture_detection_sample=0.6)

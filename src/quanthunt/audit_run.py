@@ -20,23 +20,15 @@ from quanthunt.connection import Targets
 from quanthunt.decision import Subject
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import Gateway, resolve_api_key
+from quanthunt.measurements import Audit, accounted, summary_values
 from quanthunt.params import Margins, Params, section_digest
+from quanthunt.probes import Design, Probe, select_probes
 from quanthunt.prompts import load_prompts
 from quanthunt.reference import Reference
 from quanthunt.survey import CANDIDATE, ProviderRow, probe_cost, read_providers
 from quanthunt.tracking import StageRun
 from quanthunt.verdicts import ProviderVerdict, Verdicts
-from quanthunt.verification import (
-    Audit,
-    Auditor,
-    Design,
-    Probe,
-    accounted,
-    probe_limits,
-    probe_timeout,
-    select_probes,
-    summary_values,
-)
+from quanthunt.verification import Auditor, probe_limits, probe_timeout
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,9 @@ import numpy as np
 
 from quanthunt import stats
 from quanthunt.gateway import same_provider
+from quanthunt.measurements import Audit
 from quanthunt.params import Decision, Margins
 from quanthunt.verdicts import Estimate, Observed, ProviderVerdict, TestResult, Verdict
-from quanthunt.verification import Audit
 
 _STANDARD_NORMAL = statistics.NormalDist()
 

@@ -1,0 +1,226 @@
+"""What the audit measures of each completion, and the arithmetic behind it. Pure: no I/O.
+
+- **logprob mode** (the endpoint returns logprobs): the provider samples a completion with
+  its top-k logprobs; the reference scores the same tokens teacher-forced
+  (``compare_logprobs``). Per position: ``Δ = provider logprob − reference logprob`` of the
+  sampled token, KL(reference ‖ provider) over the top-k union with a tail bucket, and
+  top-1 agreement.
+- **sample mode** (no logprobs): provider and reference each sample completions for the
+  same prompts; the reference scores every completion (``SampledText``).
+
+Every measured completion also gets its rank z (``rank_z``): the reference's randomised
+PIT of each sampled token, as a normal score, summed and divided by √tokens (exactly
+N(0, 1) for text the reference's own sampler produced). In sample mode it is the
+measurement; in logprob mode it checks the provider's sampler, which the logprobs it
+reports say nothing about. ``Audit`` holds one provider's measurements and accounts for
+every completion asked for; ``quanthunt.decision`` turns audits into verdicts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from quanthunt import stats
+from quanthunt.gateway import TokenLogprob
+from quanthunt.reference import PARTIAL, Position, Scored, canonical_name, merge_by_name
+from quanthunt.verdicts import ProviderVerdict
+
+
+@dataclass
+class LogprobCompletion:
+    """One audited completion in logprob mode."""
+
+    probe_id: str
+    index: int
+    tokens: int
+    aligned: int
+    """Positions where the reference's tokenization of the text matches the provider's tokens
+    (all of them unless the provider's tokenization is non-canonical; we stop at the first
+    mismatch)."""
+    deltas: list[float]
+    kls: list[float]
+    top1_agree: list[bool]
+    rank_z: float = 0.0
+    """The sampler check: rank z of the paired tokens under the reference's top-k."""
+    seq: int = 0
+    """Position in the audit plan (probe order × completions + index): observations are
+    tested in this order, so a later round never reorders an earlier one."""
+
+    @property
+    def mean_abs_delta(self) -> float:
+        return statistics.fmean(abs(d) for d in self.deltas) if self.deltas else 0.0
+
+
+@dataclass
+class SampledText:
+    """A completion scored at the reference (sample mode)."""
+
+    probe_id: str
+    index: int
+    source: str  # "provider" | "reference"
+    token_ids: list[int]
+    mean_loglik: float
+    rank_z: float = 0.0
+    """Sum over tokens of the normal score ``Φ⁻¹(u_t)`` of the token's randomised
+    probability-integral transform under the reference, divided by √tokens (``u_t`` = the
+    reference's mass on tokens it ranks above the sampled one, plus a uniform share of the
+    token's own mass; uniform over the tail beyond the top-k). For text the reference
+    samples itself every ``u_t`` is exactly uniform and independent of the past, so z is
+    N(0, 1) with no calibration run; text from a coarser model or a hotter sampler picks
+    tokens the reference ranks lower (z > 0), a colder or truncating sampler its favourites
+    (z < 0)."""
+    tokens: int = 0
+    seq: int = 0
+    """Position in the audit plan (see ``LogprobCompletion.seq``)."""
+
+
+@dataclass
+class Audit:
+    """Everything measured for one provider."""
+
+    provider: str
+    tag: str
+    mode: str
+    logprob: list[LogprobCompletion] = field(default_factory=list)
+    sampled: list[SampledText] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    """Failed attempts by kind (a retried request that then succeeded counts too)."""
+    failed: int = 0
+    """Completions asked for that gave nothing to measure (the sum of ``unusable``)."""
+    unusable: Counter[str] = field(default_factory=Counter)
+    """Each completion asked for and not measured, once, by why: the last error's kind
+    (``timeout``, ``http_503``, ...), ``no_logprobs``, ``empty_completion``,
+    ``unpaired_tokens``, ``reasoning_not_off``, ``unscored_tokens``. With the measured ones
+    they add up to ``attempted``."""
+    possibly_billed: int = 0
+    """Requests that timed out after they were sent: the provider may have generated and
+    billed them (their cost is not in ``cost_usd``)."""
+    served_by: Counter[str] = field(default_factory=Counter)
+    cost_usd: float = 0.0
+    tokens: int = 0
+    attempted: int = 0
+    first_round_end: int = 0
+    """Completions with ``seq`` below this came from the first round (the fixed-sample
+    baselines' sample)."""
+
+    def unusable_completion(self, reason: str) -> None:
+        """A completion asked for that gives nothing to measure: counted, never dropped."""
+        self.failed += 1
+        self.unusable[reason] += 1
+
+
+RANK_TOP_K = 20
+"""Top logprobs asked of the reference when scoring sample-mode texts (the rank statistic)."""
+
+_STANDARD_NORMAL = statistics.NormalDist()
+"""Per-token quantiles: the stdlib's is ~1,000x faster than scipy's on scalars, equal to 1e-15."""
+
+
+def pit_normal_score(position: Position, *, listed: int, u: float) -> float:
+    """``Φ⁻¹`` of the randomised PIT of one token (see ``SampledText.rank_z``).
+
+    ``position`` holds the reference's top-``listed`` alternatives, with or without the
+    scored token (vLLM adds it, SGLang does not): membership in the top is decided by value
+    (``Position.in_top``), never by the list's length. ``u`` is a uniform draw in [0, 1)."""
+    p = math.exp(position.logprob)
+    others = position.outranked_by()
+    if position.in_top(listed):
+        above = sum(math.exp(v) for v in others if v > position.logprob)
+        ties = sum(math.exp(v) for v in others if v == position.logprob)
+        value = above + u * (p + ties)
+    else:
+        listed_mass = min(sum(math.exp(v) for v in others[:listed]), 1.0)
+        value = listed_mass + u * (1.0 - listed_mass)
+    return _STANDARD_NORMAL.inv_cdf(min(max(value, 1e-12), 1 - 1e-12))
+
+
+def rank_z(positions: Sequence[Position], *, listed: int, seed: str) -> float:
+    """A completion's rank z: its tokens' normal scores summed, over √tokens (seeded
+    jitter: the same text gives the same z)."""
+    rng = np.random.default_rng(int(hashlib.sha256(seed.encode()).hexdigest()[:16], 16))
+    scores = [pit_normal_score(position, listed=listed, u=float(rng.random())) for position in positions]
+    return math.fsum(scores) / math.sqrt(len(scores)) if scores else 0.0
+
+
+def names_pair(provider: str, reference: str) -> bool:
+    """Whether a provider's token and the reference's re-tokenization may be the same token
+    at a position: the same decoded text, or a partial UTF-8 piece on either side (its text
+    is empty). ``compare_logprobs`` then checks the text both sides have named agrees."""
+    provider, reference = canonical_name(provider), canonical_name(reference)
+    return provider == reference or PARTIAL in (provider, reference)
+
+
+def compare_logprobs(
+    probe_id: str, index: int, provider: Sequence[TokenLogprob], scored: Scored, prompt_len: int, *, listed: int, seq: int = 0
+) -> LogprobCompletion:
+    """Pair the provider's tokens with the reference's teacher-forced scores, position by
+    position, up to the first position where the two tokenizations disagree. A partial
+    UTF-8 piece pairs with anything, but only pairs up to the last position where both
+    sides had named the same text count: a provider that sampled a character in other
+    pieces than the reference's re-tokenization would otherwise be compared position by
+    position with the wrong tokens (measured: a faithful reply came out extreme).
+
+    Per position both sides list the sampled token and the same number of alternatives
+    besides it (vLLM's chat lists only the top k−1 when the sampled token is outside the
+    top k; its echo lists k), compared by decoded name in context and merged alike
+    (``merge_by_name``), so a provider identical to the reference has KL exactly 0."""
+    deltas: list[float] = []
+    kls: list[float] = []
+    agree: list[bool] = []
+    paired: list[Position] = []
+    said = heard = ""  # the text the provider's and the reference's tokens have named so far
+    synced = 0  # pairs up to the last position both sides named whole, with the same text
+    for token, position in zip(provider, scored.positions[prompt_len:], strict=False):
+        names = position.names if position is not None else None
+        if position is None or names is None or not names_pair(token.token, names[position.key]):
+            break
+        said += canonical_name(token.token)
+        heard += canonical_name(names[position.key])
+        if PARTIAL not in (canonical_name(token.token), canonical_name(names[position.key])):
+            if said != heard:  # a piece paired with a whole token: the tokenizations parted before here
+                break
+            synced = len(deltas) + 1
+        deltas.append(token.logprob - position.logprob)
+        paired.append(position)
+        shown = [(t.token, t.logprob) for t in token.top_logprobs]
+        sampled = (token.token, token.logprob)
+        alternatives = [t for t in shown if t != sampled] if sampled in shown else shown[: max(len(shown) - 1, 0)]
+        provider_top = merge_by_name([sampled, *alternatives])
+        depth = len(alternatives)
+        reference_top = merge_by_name(
+            [(names[position.key], position.logprob), *((names[k], v) for k, v in position.others()[:depth])]
+        )
+        kls.append(stats.kl_topk_with_tail(reference_top, provider_top))
+        agree.append(max(provider_top, key=provider_top.__getitem__) == max(reference_top, key=reference_top.__getitem__))
+    if said != heard or len(deltas) > synced:  # pieces at the end that never came back in step
+        del deltas[synced:], kls[synced:], agree[synced:], paired[synced:]
+    z = rank_z(paired, listed=listed, seed=f"{probe_id}:{index}:provider:{[p.token_id for p in paired]}")
+    return LogprobCompletion(probe_id, index, len(provider), len(deltas), deltas, kls, agree, z, seq)
+
+
+def accounted(verdict: ProviderVerdict, audit: Audit) -> ProviderVerdict:
+    """``verdict`` with its audit's accounting: every completion it could not use, by why,
+    and the requests that timed out after they were sent (possibly billed)."""
+    return verdict.model_copy(update={"unusable": dict(audit.unusable), "possibly_billed": audit.possibly_billed})
+
+
+def summary_values(audit: Audit) -> dict[str, Any]:
+    """Per-provider raw series for plots: per-token Δ (logprob mode) or per-completion
+    rank z by source (sample mode)."""
+    if audit.mode == "logprob":
+        return {
+            "deltas": [d for c in audit.logprob for d in c.deltas],
+            "completion_means": [c.mean_abs_delta for c in audit.logprob],
+        }
+    return {
+        "provider": [s.rank_z for s in audit.sampled if s.source == "provider"],
+        "reference": [s.rank_z for s in audit.sampled if s.source == "reference"],
+    }

@@ -1,0 +1,161 @@
+"""What the audit measures: pairing of logprobs, the sampler check, and the rank score's
+null distribution (decisions: ``test_decision.py``)."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+
+from quanthunt.gateway import TokenLogprob
+from quanthunt.measurements import compare_logprobs, pit_normal_score
+from quanthunt.reference import Position, Scored
+
+
+def token(text: str, logprob: float, top: dict[str, float] | None = None) -> TokenLogprob:
+    return TokenLogprob.model_validate(
+        {
+            "token": text,
+            "logprob": logprob,
+            "top_logprobs": [{"token": t, "logprob": v} for t, v in (top or {text: logprob}).items()],
+        }
+    )
+
+
+def position(token_id: int, logprob: float, top: dict[str, float], names: dict[int, str]) -> Position:
+    """A position scored by id (vLLM ``return_tokens_as_token_ids``), alternatives named ``names``."""
+    ids = {name: i for i, name in names.items()}
+    keyed: dict[int | str, float] = {ids[name]: value for name, value in top.items()}
+    return Position(token_id, logprob, keyed, token_id, {i: names[i] for i in keyed} | {token_id: names[token_id]})
+
+
+NAMES = {1: "Hi", 2: " there", 3: " you", 4: " friend", 5: "!", 6: "", 7: "", 8: " ê"}
+
+
+def test_pairing_stops_at_the_first_tokenization_mismatch() -> None:
+    scored = Scored(
+        token_ids=[0, 1, 2, 4, 5],
+        positions=[
+            None,
+            position(1, -1.0, {"Hi": -1.0}, NAMES),
+            position(2, -0.5, {" there": -0.5, " you": -1.2}, NAMES),
+            position(4, -0.25, {" friend": -0.25}, NAMES),
+            position(5, -2.0, {"!": -2.0}, NAMES),
+        ],
+    )
+    provider = [token(" there", -0.4, {" there": -0.4, " you": -1.3}), token(" fri", -0.3), token("end", -0.1)]
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=2, listed=2)
+    assert paired.aligned == 1 and paired.tokens == 3
+    assert paired.deltas == pytest.approx([0.1])
+    identical = compare_logprobs("p", 0, [token(" there", -0.5, {" there": -0.5, " you": -1.2})], scored, prompt_len=2, listed=2)
+    assert identical.deltas == [0.0] and identical.kls == [0.0] and identical.top1_agree == [True]
+
+
+def test_partial_utf8_pieces_pair_and_an_identical_provider_has_zero_kl() -> None:
+    """vLLM names a piece of a character ``""``; a server that decodes it alone shows U+FFFD.
+    Two pieces named alike are one outcome on both sides (their mass summed), so a provider
+    identical to the reference pairs every token and has KL 0 (before: pairing stopped at
+    the first piece, and same-named alternatives collided)."""
+    pieces = Position(6, -0.7, {6: -0.7, 8: -1.0, 7: -1.9}, 6, {6: "\ufffd", 8: " ê", 7: ""})
+    scored = Scored(token_ids=[0, 6, 8], positions=[None, pieces, Position(8, -0.1, {8: -0.1, 6: -2.5}, 8, NAMES)])
+    provider = [
+        TokenLogprob.model_validate({"token": "", "logprob": -0.7, "top_logprobs": [
+            {"token": "", "logprob": -0.7}, {"token": " ê", "logprob": -1.0}, {"token": "", "logprob": -1.9}]}),
+        token(" ê", -0.1, {" ê": -0.1, "": -2.5}),
+    ]  # fmt: skip
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=2)
+    assert paired.aligned == 2
+    assert paired.deltas == [0.0, 0.0]
+    assert paired.kls == pytest.approx([0.0, 0.0], abs=1e-12)
+
+
+def test_a_character_sampled_byte_by_byte_ends_the_pairing() -> None:
+    """The provider sampled " ê" as two byte pieces; the reference re-tokenizes the text with
+    the whole character (one token). Pairing the first piece with " ê" would shift every later
+    position by one and compare unrelated logprobs (measured: a faithful provider's reply
+    came out extreme). It stops there instead."""
+    scored = Scored(
+        token_ids=[0, 2, 8, 5],
+        positions=[
+            None,
+            position(2, -0.5, {" there": -0.5}, NAMES),
+            position(8, -0.2, {" ê": -0.2}, NAMES),
+            position(5, -0.3, {"!": -0.3}, NAMES),
+        ],
+    )
+    provider = [token(" there", -0.5), token("\ufffd", -4.0, {"\ufffd": -4.0}), token("\ufffd", -0.01, {"\ufffd": -0.01}),
+                token("!", -0.3)]  # fmt: skip
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=1)
+    assert paired.aligned == 1 and paired.deltas == [0.0]
+
+
+def test_a_whole_token_against_a_reference_piece_is_paired_only_if_the_text_comes_back_in_step() -> None:
+    """Measured on the sandbox: the provider sampled " " then "¾"; the reference re-tokenized
+    " ¾" as a piece (space and the first byte) and the rest. The piece paired with " " (Δ 12)
+    and the mean |Δ| of a faithful reply came out 0.81, extreme. The text named so far no
+    longer agrees after that pair, so it is dropped."""
+    names = {1: " a", 2: "", 3: " ¾", 4: "-"}
+    scored = Scored(
+        token_ids=[0, 1, 2, 3, 4],
+        positions=[None, position(1, -1.0, {" a": -1.0}, names), position(2, -14.4, {"": -14.4}, names),
+                   position(3, -11.0, {" ¾": -11.0}, names), position(4, -7.3, {"-": -7.3}, names)],
+    )  # fmt: skip
+    provider = [token(" a", -1.0), token(" ", -2.3), token("¾", -4.8), token("-", -0.7)]
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=1)
+    assert paired.aligned == 1 and paired.deltas == [0.0]
+
+
+def test_a_chat_list_of_k_minus_one_is_compared_at_the_same_depth() -> None:
+    """vLLM's chat lists the sampled token first and only the top k−1 when the sampled token
+    is outside the top k; its echo lists the top k plus the scored token. Compared at the same
+    depth, an identical provider has KL 0 (at unequal depth it did not)."""
+    names = {1: "a", 2: "b", 3: "c", 4: "z"}
+    scored = Scored([0, 4], [None, position(4, -4.0, {"z": -4.0, "a": -0.5, "b": -1.5, "c": -2.0}, names)])
+    provider = [
+        TokenLogprob.model_validate({"token": "z", "logprob": -4.0, "top_logprobs": [
+            {"token": "z", "logprob": -4.0}, {"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1.5}]})
+    ]  # fmt: skip
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=2)
+    assert paired.kls == [0.0]
+    assert paired.top1_agree == [True]
+
+
+def test_the_sampler_check_scores_the_provider_tokens_rank_under_the_reference() -> None:
+    """Logprob mode's rank z: the reference's favourite token every time (a cold or greedy
+    sampler) scores far below 0, a token it ranks outside its top every time far above."""
+    names = {1: "a", 2: "b", 3: "c", 4: "z"}
+
+    def run(sampled: int, logprob: float) -> float:
+        top = {"a": math.log(0.5), "b": -2.0, "c": -3.0} | {names[sampled]: logprob}
+        scored = Scored([0] + [sampled] * 64, [None] + [position(sampled, logprob, top, names)] * 64)
+        provider = [token(names[sampled], logprob, {names[sampled]: logprob})] * 64
+        return compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=3).rank_z
+
+    assert run(1, math.log(0.5)) < -3.0  # always the favourite (mass 0.5): every PIT below ½
+    assert run(4, -6.0) > 3.0  # always outside the top 3 (mass 0.69): every PIT above 0.69
+
+
+@pytest.mark.parametrize("layout", ["vllm", "sglang", "vllm-by-name"])
+def test_pit_normal_scores_are_standard_normal_for_the_references_own_samples(layout: str) -> None:
+    """Draw tokens from a known distribution and score them by its top 3 as each server lists
+    them (vLLM: the top 3, plus the scored token when outside them; SGLang: the top 3 only):
+    the scores are N(0, 1) either way, and a tail token's share beyond z 1.96 is 2.5 % (reading
+    membership from the list's length scored SGLang's tail tokens as in the top)."""
+
+    probs = {"a": 0.5, "b": 0.2, "c": 0.15, "d": 0.1, "e": 0.05}
+    ids = {t: i for i, t in enumerate(probs)}
+    top3 = {ids[t]: math.log(p) for t, p in list(probs.items())[:3]}
+    rng = random.Random(0)
+    scores = []
+    for _ in range(4000):
+        token = rng.choices(list(probs), weights=list(probs.values()))[0]
+        logprob = math.log(probs[token])
+        top: dict[int | str, float] = dict(top3) if layout == "sglang" else {ids[token]: logprob} | top3
+        if layout == "vllm-by-name":
+            top = {chr(97 + int(k)): v for k, v in top.items()}
+        key: int | str = token if layout == "vllm-by-name" else ids[token]
+        scores.append(pit_normal_score(Position(ids[token], logprob, top, key), listed=3, u=rng.random()))
+    assert abs(statistics.fmean(scores)) < 0.05 and abs(statistics.stdev(scores) - 1) < 0.05
+    assert abs(sum(1 for z in scores if z > 1.96) / len(scores) - 0.025) < 0.008
