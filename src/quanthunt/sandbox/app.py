@@ -20,7 +20,6 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -31,9 +30,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from quanthunt.defaults import SANDBOX_GENERATIONS_KEPT
+from quanthunt.sandbox import catalogue, thinking
 from quanthunt.sandbox import faults as fault_kinds
-from quanthunt.sandbox import thinking
-from quanthunt.sandbox.billing import Billing, Refusal, key_digest, key_label
+from quanthunt.sandbox.billing import Billing, Refusal, key_digest
 from quanthunt.sandbox.engine import Completion, Engine, SamplingRequest
 from quanthunt.sandbox.faults import MisbehavingResponse
 from quanthunt.sandbox.reference_api import reference_routes
@@ -94,69 +93,6 @@ class _Call:
     settled: bool = False
 
 
-@dataclass(slots=True)
-class _Generation:
-    """What the sandbox keeps of a served request; ``body`` renders ``GenerationResponse.data``."""
-
-    id: str
-    key_digest: str
-    finished: float
-    elapsed_ms: float
-    provider_name: str
-    cost: float
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
-    streamed: bool
-    attempts: list[dict[str, Any]]
-
-    def body(self, model_id: str) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "upstream_id": f"chatcmpl-{self.id[4:]}",
-            "total_cost": self.cost,
-            "cache_discount": None,
-            "upstream_inference_cost": None,
-            "created_at": datetime.fromtimestamp(self.finished, UTC).isoformat(),
-            "model": model_id,
-            "app_id": None,
-            "streamed": self.streamed,
-            "cancelled": False,
-            "provider_name": self.provider_name,
-            "latency": self.elapsed_ms,
-            "moderation_latency": None,
-            "generation_time": self.elapsed_ms,
-            "finish_reason": self.finish_reason,
-            "native_finish_reason": self.finish_reason,
-            "service_tier": None,
-            "tokens_prompt": self.prompt_tokens,
-            "tokens_completion": self.completion_tokens,
-            "native_tokens_prompt": self.prompt_tokens,
-            "native_tokens_completion": self.completion_tokens,
-            "native_tokens_completion_images": None,
-            "native_tokens_reasoning": 0,
-            "native_tokens_cached": 0,
-            "num_media_prompt": None,
-            "num_input_audio_prompt": None,
-            "num_media_completion": None,
-            "num_search_results": None,
-            "num_fetches": None,
-            "web_search_engine": None,
-            "origin": "",
-            "usage": self.cost,
-            "is_byok": False,
-            "external_user": None,
-            "api_type": "completions",
-            "preset_id": None,
-            "router": None,
-            "provider_responses": self.attempts,
-            "user_agent": None,
-            "http_referer": None,
-            "data_region": "global",
-            "workspace_id": None,
-        }
-
-
 @dataclass
 class _Reply:
     provider: Provider
@@ -172,7 +108,7 @@ class Sandbox:
         self.roster = roster
         self.engine = engine
         self.billing = Billing(roster.credits)
-        self.generations: OrderedDict[str, _Generation] = OrderedDict()
+        self.generations: OrderedDict[str, catalogue.GenerationRecord] = OrderedDict()
         self.rng = random.Random(roster.seed)
         self.buckets = {p.tag: TokenBucket(p.rate_limit.rps, p.rate_limit.burst) for p in roster.providers if p.rate_limit}
         self.slots = {p.tag: asyncio.Semaphore(p.max_concurrent) for p in roster.providers if p.max_concurrent}
@@ -182,11 +118,13 @@ class Sandbox:
 
     # -- helpers ---------------------------------------------------------------------
 
-    def api_key(self, request: Request) -> str | None:
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
+    def caller(self, request: Request) -> str | Response:
+        """The request's bearer key, or the 401 to answer when it has none."""
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
         key = key.strip()
-        return key if scheme.lower() == "bearer" and key else None
+        if scheme.lower() == "bearer" and key:
+            return key
+        return error_response(401, "Missing Authentication header")
 
     def truth_for(self, provider: Provider) -> Truth:
         """The provider's truth, as drifted, for a request it now begins to serve (counted)."""
@@ -210,7 +148,7 @@ class Sandbox:
                 return precision
         return truth.precision
 
-    def remember(self, record: _Generation) -> None:
+    def remember(self, record: catalogue.GenerationRecord) -> None:
         self.generations[record.id] = record
         while len(self.generations) > SANDBOX_GENERATIONS_KEPT:
             self.generations.popitem(last=False)
@@ -233,86 +171,12 @@ class Sandbox:
 
     # -- OpenRouter API ----------------------------------------------------------------
 
-    def endpoint(self, provider: Provider) -> dict[str, Any]:
-        """A ``PublicEndpoint`` as ``/models/{author}/{slug}/endpoints`` lists it."""
-        model = self.roster.model
-        pricing: dict[str, Any] = {
-            "prompt": provider.pricing.prompt,
-            "completion": provider.pricing.completion,
-            "request": provider.pricing.request,
-            "image": "0",
-        }
-        if provider.pricing.discount:
-            pricing["discount"] = provider.pricing.discount
-        if provider.pricing.overrides:
-            pricing["overrides"] = [o.model_dump(exclude_none=True) for o in provider.pricing.overrides]
-        latency_s = provider.latency_ms / 1000
-        tps = provider.throughput_tps
-        return {
-            "name": f"{provider.name} | {model.id}",
-            "model_id": model.id,
-            "model_name": model.name,
-            "context_length": provider.context_length,
-            "pricing": pricing,
-            "provider_name": provider.name,
-            "tag": provider.tag,
-            "quantization": provider.quantization,
-            "max_completion_tokens": provider.max_completion_tokens,
-            "max_prompt_tokens": provider.context_length,
-            "supported_parameters": provider.supported_parameters,
-            "status": provider.status,
-            "uptime_last_30m": provider.uptime_last_30m,
-            "uptime_last_5m": provider.uptime_last_30m,
-            "uptime_last_1d": provider.uptime_last_30m,
-            "supports_implicit_caching": False,
-            "latency_last_30m": {"p50": latency_s, "p75": latency_s * 1.2, "p90": latency_s * 1.5, "p99": latency_s * 2.5},
-            "throughput_last_30m": {"p50": tps, "p75": tps * 0.9, "p90": tps * 0.75, "p99": tps * 0.5},
-        }
-
-    def architecture(self) -> dict[str, Any]:
-        return {
-            "modality": "text->text",
-            "input_modalities": ["text"],
-            "output_modalities": ["text"],
-            "tokenizer": "Other",
-            "instruct_type": "chatml",
-        }
-
     async def list_models(self, request: Request) -> Response:
         if (fault := self.gateway_fault()) is not None:
             return fault
-        model = self.roster.model
-        cheapest = min(self.roster.providers, key=lambda p: float(p.pricing.completion))
-        author, slug = model.id.split("/", 1)
-        entry = {
-            "id": model.id,
-            "canonical_slug": model.id,
-            "name": model.name,
-            "created": int(self.started),
-            "description": model.description,
-            "pricing": {
-                "prompt": cheapest.pricing.prompt,
-                "completion": cheapest.pricing.completion,
-                "request": "0",
-                "image": "0",
-            },
-            "context_length": model.context_length,
-            "architecture": self.architecture(),
-            "top_provider": {
-                "context_length": model.context_length,
-                "max_completion_tokens": cheapest.max_completion_tokens,
-                "is_moderated": False,
-            },
-            "per_request_limits": None,
-            "supported_parameters": sorted({p for prov in self.roster.providers for p in prov.supported_parameters}),
-            "default_parameters": {"temperature": None, "top_p": None, "frequency_penalty": None},
-            "supported_voices": None,
-            "links": {"details": f"/api/v1/models/{author}/{slug}/endpoints"},
-        }
-        if model.reasoning is not None:  # ModelReasoning: thinking is on unless turned off, where allowed
-            entry["reasoning"] = {"mandatory": model.reasoning.mandatory, "default_enabled": True,
-                                  "default_effort": "medium", "supported_efforts": ["high", "medium", "low", "none"]}  # fmt: skip
-        return JSONResponse({"data": [entry], "total_count": 1, "links": {"next": None}})
+        return JSONResponse(
+            {"data": [catalogue.model_entry(self.roster, int(self.started))], "total_count": 1, "links": {"next": None}}
+        )
 
     async def list_endpoints(self, request: Request) -> Response:
         if (fault := self.gateway_fault()) is not None:
@@ -321,57 +185,22 @@ class Sandbox:
         model = self.roster.model
         if model_id != model.id:
             return error_response(404, f"Model {model_id} not found")
-        return JSONResponse(
-            {
-                "data": {
-                    "id": model.id,
-                    "name": model.name,
-                    "created": int(self.started),
-                    "description": model.description,
-                    "architecture": self.architecture(),
-                    "endpoints": [self.endpoint(p) for p in self.roster.providers],
-                }
-            }
-        )
+        return JSONResponse({"data": catalogue.model_endpoints(self.roster, int(self.started))})
 
     async def key_info(self, request: Request) -> Response:
         if (fault := self.gateway_fault()) is not None:
             return fault
-        key = self.api_key(request)
-        if key is None:
-            return error_response(401, "Missing Authentication header")
-        account = self.billing.account(key)
-        return JSONResponse(
-            {
-                "data": {
-                    "label": key_label(key),
-                    "limit": account.limit,
-                    "limit_remaining": account.remaining,
-                    "limit_reset": None,
-                    "usage": account.usage,
-                    "usage_daily": account.usage,
-                    "usage_weekly": account.usage,
-                    "usage_monthly": account.usage,
-                    "byok_usage": 0.0,
-                    "byok_usage_daily": 0.0,
-                    "byok_usage_weekly": 0.0,
-                    "byok_usage_monthly": 0.0,
-                    "include_byok_in_limit": False,
-                    "is_free_tier": False,
-                    "is_management_key": False,
-                    "is_provisioning_key": False,
-                    "creator_user_id": None,
-                    "rate_limit": {"requests": -1, "interval": "10s", "note": "This field is deprecated and safe to ignore."},
-                }
-            }
-        )
+        key = self.caller(request)
+        if isinstance(key, Response):
+            return key
+        return JSONResponse({"data": catalogue.key_data(key, self.billing.account(key))})
 
     async def generation(self, request: Request) -> Response:
         if (fault := self.gateway_fault()) is not None:
             return fault
-        key = self.api_key(request)
-        if key is None:
-            return error_response(401, "Missing Authentication header")
+        key = self.caller(request)
+        if isinstance(key, Response):
+            return key
         gen_id = request.query_params.get("id", "")
         if not gen_id:
             return error_response(400, "id is required")
@@ -382,9 +211,9 @@ class Sandbox:
         return JSONResponse({"data": record.body(self.roster.model.id)})
 
     async def stats_route(self, request: Request) -> Response:
-        key = self.api_key(request)
-        if key is None:
-            return error_response(401, "Missing Authentication header")
+        key = self.caller(request)
+        if isinstance(key, Response):
+            return key
         account = self.billing.account(key)
         return JSONResponse(
             {
@@ -412,9 +241,9 @@ class Sandbox:
         )
 
     async def add_credits(self, request: Request) -> Response:
-        key = self.api_key(request)
-        if key is None:
-            return error_response(401, "Missing Authentication header")
+        key = self.caller(request)
+        if isinstance(key, Response):
+            return key
         try:
             data = parse_json_object(await request.body())
         except BadRequest as exc:
@@ -435,9 +264,9 @@ class Sandbox:
             self.stats.in_flight -= 1
 
     async def _chat(self, request: Request) -> Response:
-        key = self.api_key(request)
-        if key is None:
-            return error_response(401, "Missing Authentication header")
+        key = self.caller(request)
+        if isinstance(key, Response):
+            return key
         try:
             params = parse_chat(parse_json_object(await request.body()))
         except BadRequest as exc:
@@ -587,8 +416,8 @@ class Sandbox:
             return MisbehavingResponse(raw, how="drop", headers=headers)  # type: ignore[return-value]
         return Response(raw, media_type="application/json", headers=headers)
 
-    def _generation_record(self, call: _Call, reply: _Reply) -> _Generation:
-        return _Generation(
+    def _generation_record(self, call: _Call, reply: _Reply) -> catalogue.GenerationRecord:
+        return catalogue.GenerationRecord(
             id=call.gen_id,
             key_digest=key_digest(call.key),
             finished=time.time(),
