@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
+from pydantic import BaseModel, ValidationError
 
 from quanthunt.errors import ConfigError
+
+M = TypeVar("M", bound=BaseModel)
+_USERINFO = re.compile(r"//[^/?#@]*@")
 
 
 def one_line(text: str, limit: int) -> str:
@@ -50,3 +56,22 @@ def parse_yaml(text: str, *, source: str, what: str) -> Any:
         raise ConfigError(f"{source}:{where} is not valid YAML") from None
     except RecursionError:
         raise ConfigError(f"{source}: is not a valid {what} (nested too deeply)") from None
+
+
+def validated(model: type[M], data: Any, *, source: str) -> M:
+    """``data`` as ``model``, or one ``ConfigError`` line naming the file, the first bad field
+    and the value it got (a URL's user and password never shown)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = one_line(_USERINFO.sub("//***@", first["msg"]), 300)
+        if first["type"] == "extra_forbidden":
+            message = "unknown key"
+        value = first.get("input")
+        if isinstance(value, str):
+            value = _USERINFO.sub("//***@", value)
+        shown = "" if isinstance(value, dict | list) or first["type"] == "missing" else f" (got {one_line(repr(value), 80)})"
+        if isinstance(value, float) and math.isnan(value):
+            shown = " (got NaN)"
+        raise ConfigError(f"{source}: {field_path(first['loc'])}: {message}{shown}") from None

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quanthunt import urls
-from quanthunt.config_files import field_path, one_line, parse_yaml, read_text
+from quanthunt.config_files import one_line, parse_yaml, read_text, validated
 from quanthunt.errors import ConfigError
 from quanthunt.spec import QUANTIZATIONS
 
@@ -507,26 +507,10 @@ def section_digest(section: BaseModel) -> str:
     return hashlib.sha256(json.dumps(section.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
 
-_USERINFO = re.compile(r"//[^/?#@]*@")
-
-
 def parse_params(data: Any, *, source: str) -> Params:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of sections (paths, api, survey, ...)")
-    try:
-        return Params.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        message = one_line(_USERINFO.sub("//***@", first["msg"]), 300)
-        if first["type"] == "extra_forbidden":
-            message = "unknown key"
-        value = first.get("input")
-        if isinstance(value, str):
-            value = _USERINFO.sub("//***@", value)  # a URL's user and password stay out of the message
-        shown = "" if isinstance(value, dict | list) or first["type"] == "missing" else f" (got {one_line(repr(value), 80)})"
-        if isinstance(value, float) and math.isnan(value):
-            shown = " (got NaN)"
-        raise ConfigError(f"{source}: {field_path(first['loc'])}: {message}{shown}") from None
+    return validated(Params, data, source=source)
 
 
 def load_params(path: Path) -> Params:

@@ -16,9 +16,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from quanthunt.config_files import field_path, one_line, parse_yaml, read_text
+from quanthunt.config_files import parse_yaml, read_text, validated
 from quanthunt.errors import ConfigError
 from quanthunt.spec import ENDPOINT_STATUSES, QUANTIZATIONS
 
@@ -438,11 +438,7 @@ def parse_roster(text: str, *, source: str) -> Roster:
     data = parse_yaml(text, source=source, what="roster")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a roster is a mapping with a 'providers' list")
-    try:
-        return Roster.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ConfigError(f"{source}: {field_path(first['loc'])}: {one_line(first['msg'], 300)}") from None
+    return validated(Roster, data, source=source)
 
 
 def default_roster_path() -> Path:
