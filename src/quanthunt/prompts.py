@@ -325,14 +325,8 @@ def iter_jsonl(path: Path, *, unique_ids: bool = True) -> Iterator[PromptRecord]
                 raise ConfigError(f"{where}: not valid JSON (nested too deeply)") from None
             except ValueError:  # Python refuses integers of more than sys.get_int_max_str_digits() digits
                 raise ConfigError(f"{where}: not valid JSON (an integer with too many digits)") from None
-            try:
-                record = parse_record(obj)
-            except RecordError as exc:
-                raise ConfigError(f"{where}: {exc}{_array_hint(lineno, text)}") from None
-            if unique_ids:
-                _check_unique(record, "line", lineno, seen, where)
             count += 1
-            yield record
+            yield _record_at(obj, where, ("line", lineno), seen if unique_ids else None, hint=_array_hint(lineno, text))
     if not count:
         raise ConfigError(f"{path}: has no prompt records")
 
@@ -373,20 +367,22 @@ def iter_parquet(path: Path, *, unique_ids: bool = True) -> Iterator[PromptRecor
             break
         for obj in rows:
             row += 1
-            where = f"{path}: row {row}"
-            try:
-                record = parse_record(obj)
-            except RecordError as exc:
-                raise ConfigError(f"{where}: {exc}") from None
-            if unique_ids:
-                _check_unique(record, "row", row, seen, where)
-            yield record
+            yield _record_at(obj, f"{path}: row {row}", ("row", row), seen if unique_ids else None)
     if not row:
         raise ConfigError(f"{path}: has no prompt records")
 
 
-def _check_unique(record: PromptRecord, unit: str, number: int, seen: dict[str, int], where: str) -> None:
-    """Refuse a record whose id is already in ``seen`` (id -> line or row number), naming both places."""
+def _record_at(obj: object, where: str, place: tuple[str, int], seen: dict[str, int] | None, *, hint: str = "") -> PromptRecord:
+    """The record in ``obj`` (at ``place``: ``("line", 3)`` or ``("row", 3)``), or a
+    ``ConfigError`` naming ``where``; with ``seen`` (id -> line or row number) a repeated id
+    is refused too, naming both places."""
+    try:
+        record = parse_record(obj)
+    except RecordError as exc:
+        raise ConfigError(f"{where}: {exc}{hint}") from None
+    if seen is None:
+        return record
+    unit, number = place
     first = seen.get(record.id)
     if first is not None:
         if record.id.startswith("h-") and record.id == content_id(record.conversations):
@@ -395,6 +391,7 @@ def _check_unique(record: PromptRecord, unit: str, number: int, seen: dict[str, 
             )
         raise ConfigError(f"{where}: duplicate id {_show(record.id)} (first on {unit} {first})")
     seen[record.id] = number
+    return record
 
 
 def _open(path: Path) -> BinaryIO:
