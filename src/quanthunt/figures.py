@@ -107,6 +107,23 @@ def _counts(ax: Any) -> None:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _audit_figure_done(fig: Any, middle: Any, right: Any, *, xlabel: str, wealth: Sequence[float], threshold: float) -> bytes:
+    """An audit figure's common ending: the middle panel's per-completion histogram labelled,
+    the e-process on the right, and the PNG."""
+    middle.set_xlabel(xlabel)
+    middle.set_ylabel("completions")
+    _counts(middle)
+    _legend(middle)
+    _e_process(right, wealth, threshold)
+    return png(fig)
+
+
+def _legend(ax: Any) -> None:
+    """A legend of the panel's labelled artists, if it has any (an audit with nothing measured has none)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
 def _ecdf(ax: Any, values: Sequence[float], label: str, *, right: float | None = None, **style: Any) -> None:
     """The empirical CDF, drawn on to ``right`` (so values all at one point still show a line)."""
     if not values:
@@ -154,12 +171,7 @@ def logprob_audit(
     middle.axvline(margin, color="#228833", linestyle="--", label=f"margin {margin:g}")
     middle.axvline(tail, color="#ee6677", linestyle=":", label=f"extreme > {tail:g}")
     middle.set_xlim(0, upper)
-    middle.set_xlabel("mean |Δ logprob| per completion")
-    middle.set_ylabel("completions")
-    _counts(middle)
-    middle.legend(fontsize=7)
-    _e_process(right, wealth, threshold)
-    return png(fig)
+    return _audit_figure_done(fig, middle, right, xlabel="mean |Δ logprob| per completion", wealth=wealth, threshold=threshold)
 
 
 def sample_audit(
@@ -174,19 +186,14 @@ def sample_audit(
     _ecdf(left, reference, "reference samples", color="#4477aa")
     left.set_xlabel("rank z (N(0, 1) for the reference's own text)")
     left.set_ylabel("share of completions ≤ z (ECDF)")
-    left.legend(fontsize=7)
+    _legend(left)
     both = [*provider, *reference]
     low, high = (min(both), max(both)) if both else (-3.0, 3.0)
     bins = np.linspace(min(low, -3.0), max(high, 3.0), 25)
     for values, label, color in ((provider, "provider", "#ee6677"), (reference, "reference", "#4477aa")):
         if values:
             middle.hist(values, bins=bins, histtype="stepfilled", alpha=0.45, color=color, label=label)
-    middle.set_xlabel("rank z")
-    middle.set_ylabel("completions")
-    _counts(middle)
-    middle.legend(fontsize=7)
-    _e_process(right, wealth, threshold)
-    return png(fig)
+    return _audit_figure_done(fig, middle, right, xlabel="rank z", wealth=wealth, threshold=threshold)
 
 
 Interval = tuple[float, float, float]
