@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -29,7 +28,7 @@ import httpx
 from quanthunt.defaults import SANDBOX_HOST, VLLM_STARTUP_TIMEOUT_S
 from quanthunt.errors import QuanthuntError
 from quanthunt.sandbox.roster import ModelInfo
-from quanthunt.sandbox.server import bind
+from quanthunt.sandbox.server import bind, stop_child
 
 MAX_MODEL_LEN = 2048
 """Context of the served model: enough for any probe, small enough for a 1 GiB KV cache."""
@@ -109,15 +108,8 @@ class VllmServer:
 
     def stop(self) -> None:
         """SIGTERM the whole process group (vLLM runs its engine in a child), SIGKILL after 30 s."""
-        if self._proc is not None and self._proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
+        if self._proc is not None:
+            stop_child(self._proc, grace_s=30, group=True)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
 from quanthunt.defaults import SANDBOX_HOST, SANDBOX_STARTUP_TIMEOUT_S
 from quanthunt.errors import SandboxError
@@ -36,6 +36,27 @@ def bind(host: str, port: int) -> socket.socket:
         raise SandboxError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.listen(8192)
     return sock
+
+
+def stop_child(proc: subprocess.Popen[Any], *, grace_s: float, group: bool = False) -> None:
+    """SIGTERM a child server (its whole process group with ``group``), SIGKILL it after
+    ``grace_s``, and reap it."""
+    if proc.poll() is not None:
+        return
+
+    def send(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+
+    send(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait()
 
 
 def serve(*, host: str, port: int, roster_path: Path | None, mode: str, allow_remote: bool = False) -> None:
@@ -219,13 +240,7 @@ class SandboxProcess:
 
     def stop(self) -> None:
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.terminate()
-                try:
-                    self._proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait()
+            stop_child(self._proc, grace_s=10)
             if self._proc.stdout:
                 self._proc.stdout.close()
         if self._log is not None:
