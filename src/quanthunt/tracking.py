@@ -24,12 +24,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from quanthunt import __version__
-from quanthunt.errors import EXIT_INTERRUPTED, QuanthuntError
+from quanthunt.errors import EXIT_INTERRUPTED, ConfigError, QuanthuntError
 from quanthunt.params import section_digest
 from quanthunt.redaction import redact, redact_data
 
@@ -119,11 +121,36 @@ def process_gone(identity: str) -> bool:
     return False
 
 
-def pipeline_invocation() -> str | None:
-    """An id shared by every stage of one pipeline run: ``$QUANTHUNT_PIPELINE_ID``, else
-    the DVC process this stage runs under (its ``process_identity``), else None."""
+_INVOCATION_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+"""An id that goes into an MLflow search filter as is."""
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """What ties the stages of one pipeline run together (see ``pipeline_invocation``)."""
+
+    id: str
+    is_dvc_process: bool
+    """``id`` is the ``process_identity`` of the ``dvc`` process: when that process is gone
+    the parent run is ended KILLED like a stage's."""
+
+
+def pipeline_invocation() -> Invocation | None:
+    """An id shared by every stage of one pipeline run: ``$QUANTHUNT_PIPELINE_ID`` (``make
+    run`` sets it), else the experiment ``dvc exp run`` names in every stage's environment,
+    else (Linux) the ``dvc`` process this stage runs under, read from ``/proc``, else None."""
     if explicit := os.environ.get("QUANTHUNT_PIPELINE_ID"):
-        return explicit
+        if not _INVOCATION_ID.fullmatch(explicit):
+            raise ConfigError("QUANTHUNT_PIPELINE_ID: use letters, digits and . _ : - (at most 200)")
+        return Invocation(explicit, is_dvc_process=False)
+    if experiment := os.environ.get("DVC_EXP_NAME"):
+        return Invocation(f"dvc-exp:{os.environ.get('DVC_EXP_BASELINE_REV', '')[:12]}:{experiment}", is_dvc_process=False)
+    dvc = _dvc_process()
+    return Invocation(dvc, is_dvc_process=True) if dvc is not None else None
+
+
+def _dvc_process() -> str | None:
+    """The ``process_identity`` of the ``dvc`` process above this one, from ``/proc``."""
     pid = os.getppid()
     for _ in range(12):
         try:
@@ -280,16 +307,16 @@ def _experiment_id(client: Any, name: str, root: Path) -> str:
         return str(experiment.experiment_id)
 
 
-def _parent_run(client: Any, experiment_id: str, invocation: str, tags: Mapping[str, str]) -> str:
-    found = client.search_runs([experiment_id], filter_string=f"tags.`{INVOCATION_TAG}` = '{invocation}'", max_results=1)
+def _parent_run(client: Any, experiment_id: str, invocation: Invocation, tags: Mapping[str, str]) -> str:
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{INVOCATION_TAG}` = '{invocation.id}'", max_results=1)
     if found:
         run_id = str(found[0].info.run_id)
         client.update_run(run_id, status="RUNNING")
         return run_id
     name = "pipeline " + datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
-    parent_tags = {**tags, INVOCATION_TAG: invocation, "quanthunt.kind": "pipeline"}
-    if not os.environ.get("QUANTHUNT_PIPELINE_ID"):
-        parent_tags[PROCESS_TAG] = invocation  # the DVC process: ended KILLED if it dies
+    parent_tags = {**tags, INVOCATION_TAG: invocation.id, "quanthunt.kind": "pipeline"}
+    if invocation.is_dvc_process:
+        parent_tags[PROCESS_TAG] = invocation.id
     run = client.create_run(experiment_id, tags=parent_tags, run_name=name)
     return str(run.info.run_id)
 
