@@ -8,7 +8,7 @@ import pytest
 from fixtures.params import SHIPPED, changed
 
 from quanthunt.gateway import Endpoint
-from quanthunt.params import Budget
+from quanthunt.params import PurchasePlan
 from quanthunt.survey import SENT_PARAMETERS, apply_policy, plan_budget, price_scenario, probe_cost
 
 
@@ -36,8 +36,8 @@ OPEN = changed(
 """A policy that excludes only what a test says."""
 
 
-def make_budget(**fields: Any) -> Budget:
-    return Budget(**{"input_tokens_per_output_token": 0.0, **fields})
+def make_budget(**fields: Any) -> PurchasePlan:
+    return PurchasePlan(**{"input_tokens_per_output_token": 0.0, **fields})
 
 
 POLICY = changed(OPEN, max_completion_usd_per_m=3.0, min_uptime=90, allowed_quantizations=("int4", "fp8", "unknown"))

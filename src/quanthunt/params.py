@@ -234,7 +234,7 @@ class Policy(_Section):
         return value
 
 
-class Budget(_Section):
+class PurchasePlan(_Section):
     """What the team wants to buy, and with how much money."""
 
     usd: float = Field(gt=0)
@@ -248,7 +248,7 @@ class Survey(_Section):
     model: str = Field(pattern=r"^[A-Za-z0-9._-]+/[A-Za-z0-9._:-]+$")
     """OpenRouter model id, ``author/slug``."""
     policy: Policy
-    budget: Budget
+    budget: PurchasePlan
 
 
 class Probes(_Section):

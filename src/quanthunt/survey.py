@@ -18,7 +18,7 @@ from typing import Any
 
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import Endpoint, ModelReasoning
-from quanthunt.params import Budget, Policy, Verify
+from quanthunt.params import Policy, PurchasePlan, Verify
 
 CANDIDATE = "candidate"
 SENT_PARAMETERS = ("max_tokens", "temperature", "top_p", "seed")
@@ -142,7 +142,7 @@ class Scenario:
     """The same, counting ``input_tokens_per_output_token`` of prompt per output token."""
 
 
-def price_scenario(name: str, row: ProviderRow, budget: Budget) -> Scenario:
+def price_scenario(name: str, row: ProviderRow, budget: PurchasePlan) -> Scenario:
     target = budget.datasets * budget.output_tokens_per_dataset
     output_cost = target * row.completion_usd_per_m / 1e6
     input_cost = target * budget.input_tokens_per_output_token * row.prompt_usd_per_m / 1e6
@@ -179,7 +179,7 @@ def probe_cost(row: ProviderRow, verify: Verify) -> float:
     return probe_requests(row, verify) * per_request / 1e6
 
 
-def plan_budget(rows: Sequence[ProviderRow], budget: Budget, verify: Verify) -> dict[str, Any]:
+def plan_budget(rows: Sequence[ProviderRow], budget: PurchasePlan, verify: Verify) -> dict[str, Any]:
     """The budget plan: the purchase at the cheapest, median and worst candidate, what the
     budget affords, and what auditing every candidate costs."""
     candidates = sorted((r for r in rows if r.is_candidate), key=lambda r: (r.completion_usd_per_m, r.prompt_usd_per_m))
