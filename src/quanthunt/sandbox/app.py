@@ -33,7 +33,7 @@ from quanthunt.defaults import SANDBOX_GENERATIONS_KEPT
 from quanthunt.sandbox import catalogue, thinking
 from quanthunt.sandbox import faults as fault_kinds
 from quanthunt.sandbox.billing import Billing, Refusal, key_digest
-from quanthunt.sandbox.engine import Completion, Engine, SamplingRequest
+from quanthunt.sandbox.engine import Completion, CompletionEngine, SamplingRequest
 from quanthunt.sandbox.faults import MisbehavingResponse
 from quanthunt.sandbox.reference_api import reference_routes
 from quanthunt.sandbox.render import error_response, logprob_items, text_deltas
@@ -104,7 +104,7 @@ class _Reply:
 class Sandbox:
     """State of one sandbox process: roster, engine, billing, generations, stats."""
 
-    def __init__(self, roster: Roster, engine: Engine) -> None:
+    def __init__(self, roster: Roster, engine: CompletionEngine) -> None:
         self.roster = roster
         self.engine = engine
         self.billing = Billing(roster.credits)
@@ -530,7 +530,7 @@ class SandboxApp:
         await self.routed(scope, receive, send)
 
 
-def create_app(roster: Roster, engine: Engine) -> SandboxApp:
+def create_app(roster: Roster, engine: CompletionEngine) -> SandboxApp:
     """The sandbox as an ASGI app (serve it with uvicorn, or mount it in-process with
     ``httpx.ASGITransport``)."""
     sandbox = Sandbox(roster, engine)

@@ -1,4 +1,4 @@
-"""What produces tokens behind the sandbox's HTTP API: the ``Engine`` interface, the
+"""What produces tokens behind the sandbox's HTTP API: the ``CompletionEngine`` interface, the
 types it speaks, and ``LatencyEngine``.
 
 ``LatencyEngine`` has no model (and imports no torch): it answers with canned text after
@@ -67,7 +67,7 @@ class Completion:
     """How many of ``tokens`` lead the answer: the reasoning and the end of its block."""
 
 
-class Engine(Protocol):
+class CompletionEngine(Protocol):
     """The interface the HTTP layer needs; both engines implement it."""
 
     mode: str

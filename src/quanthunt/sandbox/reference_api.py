@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from quanthunt.errors import SandboxError
 from quanthunt.sandbox import thinking
-from quanthunt.sandbox.engine import REFERENCE_PRECISION, Engine, OutToken, SamplingRequest, TokenInfo
+from quanthunt.sandbox.engine import REFERENCE_PRECISION, CompletionEngine, OutToken, SamplingRequest, TokenInfo
 from quanthunt.sandbox.render import ContextNames, logprob_items
 from quanthunt.sandbox.requests import BadRequest, parse_chat, parse_json_object, parse_messages, parse_stop
 from quanthunt.sandbox.roster import Roster
@@ -75,7 +75,7 @@ def _lax_bool(value: Any, name: str) -> bool:
     raise BadRequest(f"{name}: Input should be a valid boolean")
 
 
-def reference_routes(roster: Roster, engine: Engine) -> list[Route]:
+def reference_routes(roster: Roster, engine: CompletionEngine) -> list[Route]:
     """Routes of the reference deployment over ``engine`` at the reference precision."""
 
     model_id = roster.model.id

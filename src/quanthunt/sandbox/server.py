@@ -64,7 +64,7 @@ def serve(*, host: str, port: int, roster_path: Path | None, mode: str, allow_re
     import uvicorn
 
     from quanthunt.sandbox.app import create_app
-    from quanthunt.sandbox.engine import Engine, LatencyEngine
+    from quanthunt.sandbox.engine import CompletionEngine, LatencyEngine
     from quanthunt.sandbox.faults import silence_injected_faults
     from quanthunt.sandbox.roster import load_roster
 
@@ -76,7 +76,7 @@ def serve(*, host: str, port: int, roster_path: Path | None, mode: str, allow_re
         print(f"warning: the sandbox listens on {host}, reachable from other machines", file=sys.stderr)
     roster = load_roster(roster_path)
     _raise_fd_limit()
-    engine: Engine
+    engine: CompletionEngine
     if mode == "model":
         from quanthunt.sandbox.model_engine import ModelEngine
 

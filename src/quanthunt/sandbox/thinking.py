@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from quanthunt.sandbox.engine import Completion, Engine, OutToken, SamplingRequest
+from quanthunt.sandbox.engine import Completion, CompletionEngine, OutToken, SamplingRequest
 from quanthunt.sandbox.roster import Thinking
 
 
-def prompt_ids(engine: Engine, messages: Sequence[dict[str, str]], thinking: Thinking | None, *, enabled: bool) -> list[int]:
+def prompt_ids(
+    engine: CompletionEngine, messages: Sequence[dict[str, str]], thinking: Thinking | None, *, enabled: bool
+) -> list[int]:
     """The chat template's ids, ready for the assistant: with the thinking block opened
     (thinking on) or rendered empty (thinking off)."""
     ids = engine.encode_chat(messages)
@@ -21,7 +23,7 @@ def prompt_ids(engine: Engine, messages: Sequence[dict[str, str]], thinking: Thi
 
 
 async def complete(
-    engine: Engine,
+    engine: CompletionEngine,
     precision: str,
     request: SamplingRequest,
     thinking: Thinking | None,
