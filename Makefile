@@ -72,7 +72,7 @@ typecheck: install
 # tests on the real model stay on one worker (tests/conftest.py). TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 unit: install
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup -m "not engines"
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup -m "not engines" --durations=15
 
 test: browser lint typecheck unit
 
