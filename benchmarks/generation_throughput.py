@@ -109,7 +109,8 @@ async def openai_sdk(url: str, total: int, in_flight: int) -> Timings:
 
 
 async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: float = RAMP_UP_S) -> Timings:
-    from quanthunt.gateway import AiohttpChat, ApiKey, Routing
+    from quanthunt.aiohttp_chat import AiohttpChat
+    from quanthunt.gateway import ApiKey, Routing
     from quanthunt.generation import Eligible, Engine, Job, RecordSink
     from quanthunt.ledger import Ledger, LedgerWriter
     from quanthunt.params import Retry, Sampling
@@ -143,7 +144,7 @@ async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: floa
 
 CLIENTS = {"quanthunt": quanthunt_engine, "openai-sdk": openai_sdk, "raw-aiohttp": raw_aiohttp}
 MODULES = {
-    "quanthunt": ("aiohttp", "orjson", "quanthunt.gateway", "quanthunt.generation", "quanthunt.ledger", "quanthunt.prompts"),
+    "quanthunt": ("aiohttp", "orjson", "quanthunt.aiohttp_chat", "quanthunt.generation", "quanthunt.ledger", "quanthunt.prompts"),
     "openai-sdk": ("httpx", "openai"),
     "raw-aiohttp": ("aiohttp",),
 }

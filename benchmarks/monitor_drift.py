@@ -58,7 +58,7 @@ from power_pools import Item, load_pools
 from scipy.special import logsumexp
 from scipy.stats import beta
 
-from quanthunt import stats
+from quanthunt import sequential
 from quanthunt.measurements import rank_z
 from quanthunt.monitor import MAX_COMPONENTS, Observation, ProviderMonitor, Stop, suspect_from
 from quanthunt.monitoring import LOGPROB_TOP
@@ -190,7 +190,7 @@ class Batch:
     @classmethod
     def start(cls, setup: Setup, audit: np.ndarray) -> Batch:
         template = setup.monitor([])
-        fractions = len(stats.BET_FRACTIONS)
+        fractions = len(sequential.BET_FRACTIONS)
         cw = np.repeat(template._bet_weights / fractions, fractions)
         runs, columns = audit.shape
         off = np.zeros((runs, MAX_COMPONENTS + 1, columns))
@@ -217,7 +217,7 @@ class Batch:
 
     def _weighted(self, rows: np.ndarray) -> np.ndarray:
         """``w_j K_j`` of every slot of ``rows`` (NaN: free), as ``ProviderMonitor.wealth``."""
-        log_wealth = np.minimum(self.s[rows, None, :] - self.off[rows], math.log(stats.WEALTH_CAP))
+        log_wealth = np.minimum(self.s[rows, None, :] - self.off[rows], math.log(sequential.WEALTH_CAP))
         weighted = np.exp(self._log_weights()[rows]) * (np.exp(log_wealth) @ self.cw)
         return np.where(self.ckpt[rows] >= 0, weighted, np.nan)
 
@@ -242,7 +242,7 @@ class Batch:
         else:
             self.s += factors
         with np.errstate(over="ignore"):
-            e = np.minimum(np.exp(logsumexp(np.log(self.cw) + self.s + self.log_a, axis=1)), stats.WEALTH_CAP)
+            e = np.minimum(np.exp(logsumexp(np.log(self.cw) + self.s + self.log_a, axis=1)), sequential.WEALTH_CAP)
         self.last[self.runs] = e
         self.peak[self.runs] = np.maximum(self.peak[self.runs], e)
         crossed = e >= 1.0 / self.setup.alpha  # ProviderMonitor.threshold
@@ -252,7 +252,7 @@ class Batch:
                 slot = int(np.nanargmax(weighted))
                 by_checkpoint = {int(c): float(w) for c, w in zip(self.ckpt[row], weighted, strict=True) if c >= 0}
                 gained = (self.s[row] - self.off[row, slot]).reshape(len(self.names), -1).max(axis=1)
-                value = min(float(np.nansum(weighted)), stats.WEALTH_CAP)
+                value = min(float(np.nansum(weighted)), sequential.WEALTH_CAP)
                 self.stops[int(self.runs[row])] = Stop(t, value, suspect_from(by_checkpoint), self.names[int(np.argmax(gained))])
             keep = ~crossed
             self.runs, self.s, self.off = self.runs[keep], self.s[keep], self.off[keep]

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from power_pools import SERVED, Item, load_pools
 
-from quanthunt import stats
+from quanthunt import distances, stats
 from quanthunt.decision import Subject, judge
 from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, rank_z
 from quanthunt.params import Params, load_params
@@ -164,7 +164,7 @@ def mmd_rejects(audit: Audit, reference: dict[str, list[Item]], params: Params, 
             per_probe[s.probe_id] += 1
             provider.append(s)
     ref = [(probe, item) for probe, count in per_probe.items() for item in reference[probe][:count]]
-    test = stats.mmd_hamming_test(
+    test = distances.mmd_hamming_test(
         [s.token_ids for s in provider], [i.token_ids for _, i in ref], [s.probe_id for s in provider], [p for p, _ in ref],
         n_permutations=500, rng=rng,
     )  # fmt: skip

@@ -12,8 +12,9 @@ from pathlib import Path
 from rich.console import Console
 
 from quanthunt.connection import open_targets
-from quanthunt.gateway import Endpoint, Gateway, ModelReasoning, resolve_api_key
+from quanthunt.gateway import Gateway, resolve_api_key
 from quanthunt.outputs import Outputs
+from quanthunt.replies import Endpoint, ModelReasoning
 from quanthunt.stage import Stage
 from quanthunt.survey import apply_policy, check_reasoning, plan_budget, providers_csv
 from quanthunt.terminal import show_survey

@@ -33,19 +33,10 @@ from hypothesis import strategies as st
 
 from quanthunt import gateway as gateway_module
 from quanthunt.errors import EXIT_BAD_INPUT, ConfigError
-from quanthunt.gateway import (
-    ApiKey,
-    ChatReply,
-    Endpoint,
-    Gateway,
-    GatewayError,
-    Generation,
-    KeyStatus,
-    error_from,
-    parse_chat_reply,
-)
+from quanthunt.gateway import ApiKey, Gateway, GatewayError, error_from, parse_chat_reply
 from quanthunt.params import Params, load_params, parse_params
 from quanthunt.prompts import MAX_LINE_BYTES, PromptRecord, load_prompts, skeleton
+from quanthunt.replies import ChatReply, Endpoint, Generation, KeyStatus
 from quanthunt.sandbox.roster import FAULT_KINDS, PRECISIONS, Roster, default_roster_path, load_roster, parse_roster
 from quanthunt.spec import ENDPOINT_STATUSES, LIMIT_SOURCES, QUANTIZATIONS
 from quanthunt.survey import PROVIDER_COLUMNS, ProviderRow, plan_budget, read_providers

@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 from fixtures.params import changed
 
-from quanthunt.gateway import ChatReply, Routing, Usage
+from quanthunt.gateway import Routing
 from quanthunt.generation import Eligible, Engine, Job, RecordSink, quiet_collector
 from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
 from quanthunt.params import Retry, Sampling
 from quanthunt.prompts import PromptRecord, Turn
+from quanthunt.replies import ChatReply, Usage
 
 HASH = "p" * 64
 SAMPLING = Sampling(temperature=0.7, top_p=1.0, max_tokens=16, seed=0)

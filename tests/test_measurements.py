@@ -9,9 +9,9 @@ import statistics
 
 import pytest
 
-from quanthunt.gateway import TokenLogprob
 from quanthunt.measurements import compare_logprobs, pit_normal_score
 from quanthunt.reference import Position, Scored
+from quanthunt.replies import TokenLogprob
 
 
 def token(text: str, logprob: float, top: dict[str, float] | None = None) -> TokenLogprob:

@@ -16,12 +16,12 @@ from fixtures.params import SHIPPED, changed
 from test_generation import PinnedChat, job, lines, records, writing
 
 from quanthunt.errors import EXIT_OUT_OF_BUDGET
-from quanthunt.gateway import ChatReply, TokenLogprob
 from quanthunt.generation import Eligible, Engine
 from quanthunt.ledger import Ledger
 from quanthunt.measurements import LogprobCompletion
 from quanthunt.monitor import ProviderMonitor
 from quanthunt.monitoring import Monitoring, monitor_card
+from quanthunt.replies import ChatReply, TokenLogprob
 from quanthunt.report import DatasetView, monitor_section
 
 A = Eligible("A", "a/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)

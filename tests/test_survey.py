@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from fixtures.params import SHIPPED, changed
 
-from quanthunt.gateway import Endpoint
 from quanthunt.params import PurchasePlan
+from quanthunt.replies import Endpoint
 from quanthunt.survey import SENT_PARAMETERS, apply_policy, plan_budget, price_scenario, probe_cost
 
 

@@ -37,7 +37,7 @@ from typing import Literal
 
 import numpy as np
 
-from quanthunt import stats
+from quanthunt import distances, sequential, stats
 from quanthunt.gateway import same_provider
 from quanthunt.measurements import Audit
 from quanthunt.params import Decision, Margins
@@ -104,24 +104,24 @@ class Tests:
     """What each test's null hypothesis says, for the report."""
 
     @functools.cached_property
-    def difference(self) -> dict[str, stats.EProcess]:
-        return {name: stats.average_e_processes([_e_process(bet) for bet in bets])
+    def difference(self) -> dict[str, sequential.EProcess]:
+        return {name: sequential.average_e_processes([_e_process(bet) for bet in bets])
                 for name, bets in self.difference_bets.items()}  # fmt: skip
 
     @functools.cached_property
-    def equivalence(self) -> dict[str, stats.EProcess]:
+    def equivalence(self) -> dict[str, sequential.EProcess]:
         return {name: _e_process(bet) for name, bet in self.bets.items()}
 
     @functools.cached_property
-    def combined(self) -> stats.EProcess:
+    def combined(self) -> sequential.EProcess:
         """The average of the difference tests: one e-process for "everything is as the
         reference" (its null is the intersection of theirs)."""
-        return stats.average_e_processes(list(self.difference.values()))
+        return sequential.average_e_processes(list(self.difference.values()))
 
 
-def _e_process(bet: Bet) -> stats.EProcess:
+def _e_process(bet: Bet) -> sequential.EProcess:
     x, m0, side = bet
-    return stats.betting_e_process(x, null_mean=m0, alternative=side)
+    return sequential.betting_e_process(x, null_mean=m0, alternative=side)
 
 
 def sequential_tests(obs: Observations, margin: Margins, *, sampler: bool = True) -> Tests:
@@ -207,14 +207,14 @@ def mixture_power(mode: str, n: int, *, providers: int, margin: Margins, policy:
     mixture: the tail test alone, at its share of the averaged difference e-process,
     crossing the correction's worst-case threshold (exact; the other tests only add to it)."""
     t = TailTest.of(mode, providers=providers, margin=margin, policy=policy)
-    return [float(v) for v in stats.e_tail_power_curve(t.rate, n, p0=t.p0, threshold=t.threshold, weight=t.weight)]
+    return [float(v) for v in sequential.e_tail_power_curve(t.rate, n, p0=t.p0, threshold=t.threshold, weight=t.weight)]
 
 
 @functools.lru_cache(maxsize=64)
 def mixture_needed(mode: str, *, providers: int, margin: Margins, policy: Decision) -> int | None:
     """The fewest completions with :func:`mixture_power` ≥ ``min_power`` (None: beyond 20,000)."""
     t = TailTest.of(mode, providers=providers, margin=margin, policy=policy)
-    return stats.completions_for_e_tail(t.rate, p0=t.p0, threshold=t.threshold, power=policy.min_power,
+    return sequential.completions_for_e_tail(t.rate, p0=t.p0, threshold=t.threshold, power=policy.min_power,
                                         weight=t.weight, max_n=20_000)  # fmt: skip
 
 
@@ -232,7 +232,7 @@ class State:
     results: list[TestResult] = field(default_factory=list)
 
 
-def _p(process: stats.EProcess, correction: str) -> float:
+def _p(process: sequential.EProcess, correction: str) -> float:
     """The p-value a correction uses: anytime-valid (Holm) or the wealth at stopping (e-BH)."""
     return process.pvalue if correction == "holm" else min(1.0, 1.0 / max(process.final, 1e-300))
 
@@ -316,7 +316,7 @@ def _still_needed(tests: Tests, n: int, threshold: float, mixture_needed: int | 
             if gap <= 0:
                 return None
             rate = gap**2 / (2 * max(statistics.variance(values), 1e-6))
-            needs.append(math.ceil((math.log(threshold) + math.log(len(stats.BET_FRACTIONS))) / rate))
+            needs.append(math.ceil((math.log(threshold) + math.log(len(sequential.BET_FRACTIONS))) / rate))
     if any(v is None for v in needs):
         return None
     return max(max(v for v in needs if v is not None) - n, 1)
@@ -370,7 +370,7 @@ def _estimate(values: Sequence[float], clusters: Sequence[str], rng: np.random.G
 
 def _sequence(values: Sequence[float], alpha: float, scale: float = 1.0) -> Estimate:
     """The mean with its confidence sequence's bounds (valid at any stopping time)."""
-    low, high = stats.confidence_sequence(values, alpha=alpha)
+    low, high = sequential.confidence_sequence(values, alpha=alpha)
     return Estimate(value=float(np.mean(values)) * scale, ci_low=float(low[-1]) * scale, ci_high=float(high[-1]) * scale)
 
 
@@ -446,7 +446,7 @@ def fixed_sample_tests(audit: Audit, margin: Margins, rng: np.random.Generator) 
         loglik = stats.stratified_permutation_test(
             x, y, sx, sy, statistic="mean", alternative="less", n_permutations=2000, rng=rng
         )
-        mmd = stats.mmd_hamming_test([s.token_ids for s in provider], [s.token_ids for s in reference], sx, sy,
+        mmd = distances.mmd_hamming_test([s.token_ids for s in provider], [s.token_ids for s in reference], sx, sy,
                                      n_permutations=1000, rng=rng)  # fmt: skip
         out += [
             ("mean log-likelihood, stratified permutation (no margin)", loglik.statistic, loglik.pvalue,

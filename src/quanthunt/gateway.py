@@ -2,10 +2,12 @@
 sandbox, a local gateway).
 
 It builds requests exactly as the OpenAPI spec describes them (the contract tests
-validate every body it builds), parses replies into typed objects, and turns every
-failure into a ``GatewayError`` that says what happened without ever carrying the key.
-The transport is a seam: pass ``httpx.ASGITransport(app)`` to mount a gateway
-in-process, or an aiohttp-backed transport for thousands of requests in flight.
+validate every body it builds), parses replies into the typed objects of
+:mod:`quanthunt.replies`, and turns every failure into a ``GatewayError`` that says what
+happened without ever carrying the key. The transport is a seam: pass
+``httpx.ASGITransport(app)`` to mount a gateway in-process. The generation hot path sends
+its chat completions through :class:`quanthunt.aiohttp_chat.AiohttpChat` instead, with this
+module's headers, error mapping and reply parsing.
 
 Usage::
 
@@ -26,11 +28,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
-from typing import Annotated, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from quanthunt import __version__
 from quanthunt.config_files import one_line
@@ -45,6 +47,7 @@ from quanthunt.defaults import (
 )
 from quanthunt.errors import ConfigError, QuanthuntError
 from quanthunt.redaction import redact
+from quanthunt.replies import ChatReply, ChatResult, Endpoint, EndpointList, Generation, KeyStatus, ModelReasoning
 from quanthunt.spec import LIMIT_SOURCES
 from quanthunt.urls import check_base_url, is_loopback
 
@@ -209,177 +212,10 @@ def _error_from(reply: httpx.Response, where: str) -> GatewayError:
 # -- replies ----------------------------------------------------------------------------
 
 
-class _Reply(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-def _price(value: str | None) -> str | None:
-    """A price as OpenRouter publishes it: a decimal string of USD per token, finite, >= 0."""
-    if value is None:
-        return value
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"not a decimal price: {one_line(value, 40)!r}") from None
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(f"not a finite non-negative price: {one_line(value, 40)!r}")
-    return value
-
-
-Count = Annotated[int, Field(ge=0, lt=2**63)]
-Money = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-
-
-class PricingOverride(_Reply):
-    min_prompt_tokens: Count | None = None
-    prompt: str | None = None
-    completion: str | None = None
-
-    _check = field_validator("prompt", "completion")(_price)
-
-
-class Pricing(_Reply):
-    prompt: str
-    completion: str
-    request: str | None = None
-    discount: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
-    overrides: list[PricingOverride] = Field(default_factory=list)
-
-    _check = field_validator("prompt", "completion", "request")(_price)
-
-
-class Percentiles(_Reply):
-    p50: float | None = None
-
-
-class Endpoint(_Reply):
-    """One provider's endpoint for a model (``PublicEndpoint``)."""
-
-    provider_name: str
-    tag: str
-    name: str = ""
-    quantization: str | None = None
-    context_length: int
-    max_completion_tokens: int | None = None
-    pricing: Pricing
-    status: int | None = None
-    uptime_last_30m: float | None = None
-    supported_parameters: list[str] = Field(default_factory=list)
-    latency_last_30m: Percentiles | None = None
-    throughput_last_30m: Percentiles | None = None
-
-    @property
-    def declared_quantization(self) -> str:
-        return self.quantization or "unknown"
-
-    @property
-    def supports_logprobs(self) -> bool:
-        """Both ``logprobs`` and ``top_logprobs``: verification sends the two together, and
-        ``require_parameters`` refuses an endpoint missing either."""
-        return {"logprobs", "top_logprobs"} <= set(self.supported_parameters)
-
-    def usd_per_million(self) -> tuple[float, float]:
-        """(prompt, completion) USD per million tokens after the discount, at default conditions."""
-        keep = 1.0 - self.pricing.discount
-        return float(self.pricing.prompt) * 1e6 * keep, float(self.pricing.completion) * 1e6 * keep
-
-
-class ModelReasoning(_Reply):
-    """A model's reasoning settings as ``/models`` lists them (``ModelReasoning``)."""
-
-    mandatory: bool
-    """Thinking cannot be turned off (effort ``none`` is refused)."""
-    default_enabled: bool | None = None
-
-
-class _EndpointList(_Reply):
-    id: str
-    endpoints: list[Endpoint]
-
-
-class TopLogprob(_Reply):
-    token: str
-    logprob: float = Field(allow_inf_nan=False, le=1e-3)
-    """At most 0 up to rounding."""
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(_Reply):
-    token: str
-    logprob: float = Field(allow_inf_nan=False, le=1e-3)
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class _Logprobs(_Reply):
-    content: list[TokenLogprob] | None = None
-
-
-class _Message(_Reply):
-    content: str | None = None
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-
-
-class _Choice(_Reply):
-    message: _Message
-    finish_reason: str | None = None
-    logprobs: _Logprobs | None = None
-    error: dict[str, Any] | None = None
-
-
-class Usage(_Reply):
-    prompt_tokens: Count
-    completion_tokens: Count
-    cost: Money | None = None
-
-
-class _ChatResult(_Reply):
-    id: str
-    model: str
-    provider: str | None = None
-    choices: list[_Choice] = Field(min_length=1)
-    usage: Usage | None = None
-
-
-@dataclass(frozen=True)
-class ChatReply:
-    """A chat completion as quanthunt needs it."""
-
-    id: str
-    generation_id: str | None
-    provider: str | None
-    model: str
-    content: str
-    reasoning: str | None
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None
-    usage: Usage | None
-    error: dict[str, Any] | None = None
-
-
-class KeyStatus(_Reply):
-    limit: float | None = None
-    limit_remaining: float | None = None
-    usage: float = 0.0
-
-
-class Generation(_Reply):
-    """``/generation?id=``: what the gateway recorded (and charged) for one request."""
-
-    id: str
-    provider_name: str | None = None
-    total_cost: Money = 0.0
-    tokens_prompt: Count | None = None
-    tokens_completion: Count | None = None
-    finish_reason: str | None = None
-    provider_responses: list[dict[str, Any]] | None = None
-
-
 def parse_chat_reply(raw: bytes, generation_id: str | None, where: str) -> ChatReply:
     """Parse a 200 chat completion body; malformed bodies and error finishes raise."""
     try:
-        result = _ChatResult.model_validate_json(raw)
+        result = ChatResult.model_validate_json(raw)
     except ValidationError as exc:
         if (error := error_in_200(raw, generation_id, where)) is not None:
             raise error from None
@@ -496,7 +332,7 @@ def chat_body(
 # -- the client -------------------------------------------------------------------------
 
 
-def _gateway_url(base_url: str) -> tuple[str, str]:
+def gateway_url(base_url: str) -> tuple[str, str]:
     """The checked base URL and its host (what error messages name)."""
     try:
         url = check_base_url(base_url)
@@ -505,9 +341,15 @@ def _gateway_url(base_url: str) -> tuple[str, str]:
     return url, urlsplit(url).netloc
 
 
-def _headers(api_key: ApiKey) -> dict[str, str]:
-    """What every request to the gateway carries, from either client."""
+def gateway_headers(api_key: ApiKey) -> dict[str, str]:
+    """What every request to the gateway carries, from either client (:class:`Gateway`, ``AiohttpChat``)."""
     return {"Authorization": f"Bearer {api_key.reveal()}", "User-Agent": f"quanthunt/{__version__}", "X-Title": "quanthunt"}
+
+
+def failure_reason(exc: Exception) -> str:
+    """A short reason for a transport failure, without URLs' query strings or headers."""
+    text = str(exc).strip() or exc.__class__.__name__
+    return text.splitlines()[0][:200]
 
 
 @dataclass
@@ -521,10 +363,10 @@ class Gateway:
     limits: httpx.Limits = field(default_factory=lambda: GATEWAY_LIMITS)
 
     def __post_init__(self) -> None:
-        self.base_url, self.host = _gateway_url(self.base_url)
+        self.base_url, self.host = gateway_url(self.base_url)
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
-            headers=_headers(self.api_key),
+            headers=gateway_headers(self.api_key),
             transport=self.transport,
             timeout=self.timeout,
             limits=self.limits,
@@ -574,9 +416,9 @@ class Gateway:
         except httpx.TimeoutException:
             raise GatewayError(f"{where}: timed out", kind="timeout") from None
         except httpx.ConnectError as exc:
-            raise GatewayError(f"cannot reach {self.host}: {_reason(exc)}", kind="connect") from None
+            raise GatewayError(f"cannot reach {self.host}: {failure_reason(exc)}", kind="connect") from None
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            raise GatewayError(f"{where}: connection dropped ({_reason(exc)})", kind="disconnect") from None
+            raise GatewayError(f"{where}: connection dropped ({failure_reason(exc)})", kind="disconnect") from None
         except httpx.HTTPError as exc:
             raise GatewayError(f"{where}: {exc.__class__.__name__}", kind="transport") from None
         if reply.status_code >= 400:
@@ -592,7 +434,7 @@ class Gateway:
         except (KeyError, TypeError):
             raise GatewayError(f"{self.host} GET {path}: unexpected reply (no data object)", kind="malformed") from None
         try:
-            return _EndpointList.model_validate(data).endpoints
+            return EndpointList.model_validate(data).endpoints
         except ValidationError as exc:
             first = exc.errors()[0]
             raise GatewayError(
@@ -654,75 +496,3 @@ class Gateway:
             return KeyStatus.model_validate(body["data"])
         except (KeyError, TypeError, ValidationError):
             raise GatewayError(f"{self.host} GET /key: unexpected reply", kind="unexpected_reply") from None
-
-
-def _reason(exc: Exception) -> str:
-    """A short reason without URLs' query strings or headers."""
-    text = str(exc).strip() or exc.__class__.__name__
-    return text.splitlines()[0][:200]
-
-
-class AiohttpChat:
-    """The generation hot path: chat completions over aiohttp, thousands in flight.
-
-    Same requests, replies and errors as ``Gateway.chat`` (httpx's own connection pool
-    costs ~18 ms of CPU per request at 2,000 in flight; aiohttp ~0.5 ms). ``on_headers``
-    receives the ``X-Generation-Id`` as soon as the headers arrive, before the body, so a
-    request that dies mid-body can still be reconciled through ``/generation``.
-
-    Usage: ``async with AiohttpChat(url, api_key=key) as chat: reply = await chat.chat(body)``
-    """
-
-    def __init__(self, base_url: str, *, api_key: ApiKey, timeout_s: float = GATEWAY_TIMEOUT.read or 180.0,
-                 connect_timeout_s: float = GATEWAY_TIMEOUT.connect or 10.0) -> None:  # fmt: skip
-        self.base_url, self.host = _gateway_url(base_url)
-        self._api_key = api_key
-        self._timeout_s = timeout_s
-        self._connect_timeout_s = connect_timeout_s
-        self._session: Any = None
-
-    async def __aenter__(self) -> AiohttpChat:
-        import aiohttp
-
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-            timeout=aiohttp.ClientTimeout(total=self._timeout_s, sock_connect=self._connect_timeout_s),
-            headers={**_headers(self._api_key), "Content-Type": "application/json"},
-        )
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    async def chat(self, body: Mapping[str, Any], *, on_headers: Any = None) -> ChatReply:
-        """One chat completion; it may take ``read_timeout_s(timeout_s, max_tokens)``."""
-        import aiohttp
-        import orjson
-
-        where = f"{self.host} POST /chat/completions"
-        generation_id: str | None = None
-        timeout = aiohttp.ClientTimeout(
-            total=read_timeout_s(self._timeout_s, int(body.get("max_tokens") or 0)), sock_connect=self._connect_timeout_s
-        )
-        try:
-            async with self._session.post(f"{self.base_url}/chat/completions", data=orjson.dumps(body),
-                                          timeout=timeout) as reply:  # fmt: skip
-                generation_id = reply.headers.get("X-Generation-Id")
-                if generation_id and on_headers is not None:
-                    on_headers(generation_id)
-                raw = await reply.read()
-                status, reason, headers = reply.status, reply.reason or "", reply.headers
-        except TimeoutError:
-            raise GatewayError(f"{where}: timed out", kind="timeout", generation_id=generation_id) from None
-        except aiohttp.ClientConnectorError as exc:
-            raise GatewayError(f"cannot reach {self.host}: {_reason(exc)}", kind="connect") from None
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as exc:
-            raise GatewayError(
-                f"{where}: connection dropped ({_reason(exc)})", kind="disconnect", generation_id=generation_id
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise GatewayError(f"{where}: {exc.__class__.__name__}", kind="transport", generation_id=generation_id) from None
-        if status >= 400:
-            raise error_from(status, reason, raw, headers, where)
-        return parse_chat_reply(raw, generation_id, where)

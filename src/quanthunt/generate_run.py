@@ -18,9 +18,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from quanthunt.aiohttp_chat import AiohttpChat
 from quanthunt.connection import Targets
 from quanthunt.errors import EXIT_INTERRUPTED, EXIT_OUT_OF_BUDGET, ConfigError
-from quanthunt.gateway import AiohttpChat, Gateway, GatewayError, Routing, resolve_api_key
+from quanthunt.gateway import Gateway, GatewayError, Routing, resolve_api_key
 from quanthunt.generation import (
     Eligible,
     Engine,

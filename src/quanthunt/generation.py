@@ -56,11 +56,12 @@ import orjson
 from quanthunt import __version__
 from quanthunt.defaults import GATEWAY_LIMITS, GATEWAY_UNREACHABLE_S
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
-from quanthunt.gateway import TRANSIENT, ChatReply, GatewayError, Generation, Routing, chat_body, same_provider
+from quanthunt.gateway import TRANSIENT, GatewayError, Routing, chat_body, same_provider
 from quanthunt.ledger import BILLING, Ledger, LedgerWriter, RequestKey
 from quanthunt.monitoring import LOGPROB_TOP, Event, Monitoring
 from quanthunt.params import Params, Retry, Sampling
 from quanthunt.prompts import PromptRecord, next_request, skeleton
+from quanthunt.replies import ChatReply, Generation
 
 BILLED_UNKNOWN = frozenset({"timeout", "disconnect", "malformed", "unexpected_reply", "transport"})
 """Failures after the request left: the gateway may have generated (and billed) it."""

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from quanthunt import stats
-from quanthunt.gateway import TokenLogprob
+from quanthunt import distances
 from quanthunt.reference import PARTIAL, Position, Scored, canonical_name, merge_by_name
+from quanthunt.replies import TokenLogprob
 from quanthunt.verdicts import ProviderVerdict
 
 
@@ -198,7 +198,7 @@ def compare_logprobs(
         reference_top = merge_by_name(
             [(names[position.key], position.logprob), *((names[k], v) for k, v in position.others()[:depth])]
         )
-        kls.append(stats.kl_topk_with_tail(reference_top, provider_top))
+        kls.append(distances.kl_topk_with_tail(reference_top, provider_top))
         agree.append(max(provider_top, key=provider_top.__getitem__) == max(reference_top, key=reference_top.__getitem__))
     if said != heard or len(deltas) > synced:  # pieces at the end that never came back in step
         del deltas[synced:], kls[synced:], agree[synced:], paired[synced:]

@@ -10,7 +10,7 @@ of Shin, Ramdas & Rinaldo, "E-detectors: a nonparametric framework for sequentia
 detection", 2024), kept a test rather than a detector so its error is a probability:
 
 - the observations are the verify stage's betting observations (:mod:`quanthunt.decision`),
-  bet on by the same constant bets (:data:`quanthunt.stats.BET_FRACTIONS`);
+  bet on by the same constant bets (:data:`quanthunt.sequential.BET_FRACTIONS`);
 - component 0 continues the verify stage's audit (its observations replayed, then the
   monitored ones); component ``j ≥ 1`` starts fresh at checkpoint ``j``, every
   ``checkpoint_every`` monitored replies, so a change late in a long run is not paid for
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from quanthunt import stats
+from quanthunt import sequential
 from quanthunt.decision import Bet, Observations, sequential_tests
 from quanthunt.params import Margins
 
@@ -122,7 +122,7 @@ class ProviderMonitor:
         self._refresh()
 
     def _zeros(self) -> np.ndarray:
-        return np.zeros((len(self.bet_names), len(stats.BET_FRACTIONS)))
+        return np.zeros((len(self.bet_names), len(sequential.BET_FRACTIONS)))
 
     @classmethod
     def start(cls, tag: str, mode: str, *, sampler: bool, margin: Margins, alpha: float, checkpoint_every: int,
@@ -159,14 +159,14 @@ class ProviderMonitor:
 
     def _log_factors(self, observation: Observation) -> np.ndarray:
         rows = [
-            stats.log_bet_factors(np.array(x), np.array([m0]), side, stats.BET_FRACTIONS)[:, 0, 0]
+            sequential.log_bet_factors(np.array(x), np.array([m0]), side, sequential.BET_FRACTIONS)[:, 0, 0]
             for _, (x, m0, side), _ in self._bets(observation)
         ]
-        return np.array(rows).reshape(len(rows), len(stats.BET_FRACTIONS))
+        return np.array(rows).reshape(len(rows), len(sequential.BET_FRACTIONS))
 
     def wealth(self, checkpoint: int) -> float:
         """``K_j``: the averaged wealth of the component started at ``checkpoint``."""
-        log_wealth = np.minimum(self.components[checkpoint], math.log(stats.WEALTH_CAP))
+        log_wealth = np.minimum(self.components[checkpoint], math.log(sequential.WEALTH_CAP))
         return float(self._bet_weights @ np.exp(log_wealth).mean(axis=1))
 
     @property
@@ -176,7 +176,7 @@ class ProviderMonitor:
         return self._e_value
 
     def _refresh(self) -> float:
-        self._e_value = min(sum(weight(j) * self.wealth(j) for j in self.components), stats.WEALTH_CAP)
+        self._e_value = min(sum(weight(j) * self.wealth(j) for j in self.components), sequential.WEALTH_CAP)
         return self._e_value
 
     def feed(self, index: int, observation: Observation | None) -> Stop | None:

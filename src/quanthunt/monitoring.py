@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from quanthunt.errors import ConfigError
-from quanthunt.gateway import ChatReply, GatewayError
+from quanthunt.gateway import GatewayError
 from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
 from quanthunt.monitor import Observation, ProviderMonitor, Stop
 from quanthunt.params import Margins, Sampling
 from quanthunt.params import Monitor as MonitorParams
 from quanthunt.reference import Reference
+from quanthunt.replies import ChatReply
 from quanthunt.verdicts import Verdicts
 from quanthunt.verification import Scorer, thought_while_off
 

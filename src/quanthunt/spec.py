@@ -1,7 +1,12 @@
 """Facts from OpenRouter's published OpenAPI spec that both the client and the sandbox
-honour (the contract tests check them against the schemas in ``tests/contracts``)."""
+honour (the contract tests check them against the schemas in ``tests/contracts``), and
+:func:`check_price`, the check both apply to a published price."""
 
 from __future__ import annotations
+
+import math
+
+from quanthunt.config_files import one_line
 
 QUANTIZATIONS = ("int4", "int8", "fp4", "mxfp4", "nvfp4", "fp6", "fp8", "mxfp8", "fp16", "bf16", "fp32", "unknown")
 """The ``Quantization`` enum: what a provider may declare."""
@@ -23,3 +28,17 @@ MAX_TOP_LOGPROBS = 20
 
 LIMIT_SOURCES = ("openrouter_in_flight_budget", "openrouter_key_limit", "openrouter_credits")
 """``error.metadata.limit_source`` values of a 402 (from OpenRouter's docs)."""
+
+
+def check_price(value: str | None) -> str | None:
+    """``value`` unchanged if it is a price as OpenRouter publishes one (a decimal string of USD
+    per token, finite and >= 0) or None; ``ValueError`` otherwise. A pydantic field validator."""
+    if value is None:
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"not a decimal string of USD per token: {one_line(value, 40)!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"not a finite non-negative price: {one_line(value, 40)!r}")
+    return value

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from quanthunt.errors import ConfigError
-from quanthunt.gateway import Endpoint, ModelReasoning
 from quanthunt.params import Policy, PurchasePlan, Verify
+from quanthunt.replies import Endpoint, ModelReasoning
 
 CANDIDATE = "candidate"
 SENT_PARAMETERS = ("max_tokens", "temperature", "top_p", "seed")

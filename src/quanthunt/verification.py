@@ -30,11 +30,12 @@ import httpx
 
 from quanthunt.congestion import AdaptiveLimit
 from quanthunt.defaults import GATEWAY_TIMEOUT
-from quanthunt.gateway import TRANSIENT, ChatReply, Gateway, GatewayError, Routing, chat_body
+from quanthunt.gateway import TRANSIENT, Gateway, GatewayError, Routing, chat_body
 from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, compare_logprobs, rank_z
 from quanthunt.params import Reasoning
 from quanthunt.probes import Design, Probe, probe_seed
 from quanthunt.reference import Reference
+from quanthunt.replies import ChatReply
 
 T = TypeVar("T")
 RETRYABLE = TRANSIENT | {"malformed", "unexpected_reply", "finish_error", "openrouter_in_flight_budget"}

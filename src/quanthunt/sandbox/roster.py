@@ -9,7 +9,6 @@ show them (name, tag, declared quantization, prices, ...); ``precision``, ``mixt
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -20,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from quanthunt.config_files import parse_yaml, read_text, validated
 from quanthunt.errors import ConfigError
-from quanthunt.spec import ENDPOINT_STATUSES, QUANTIZATIONS
+from quanthunt.spec import ENDPOINT_STATUSES, QUANTIZATIONS, check_price
 
 PRECISIONS = (
     "int4-native",
@@ -41,16 +40,6 @@ class _Strict(BaseModel):
     temperature offset would poison sampling."""
 
 
-def _usd_string(value: str) -> str:
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"must be a decimal string of USD per token, got {value!r}") from None
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(f"must be a finite non-negative price, got {value!r}")
-    return value
-
-
 class PriceOverride(_Strict):
     """A conditional price, as OpenRouter's ``pricing.overrides[]``: applies when the
     request's prompt has at least ``min_prompt_tokens`` tokens."""
@@ -59,7 +48,7 @@ class PriceOverride(_Strict):
     prompt: str | None = None
     completion: str | None = None
 
-    _check_prompt = field_validator("prompt", "completion")(lambda v: None if v is None else _usd_string(v))
+    _check = field_validator("prompt", "completion")(check_price)
 
 
 class Pricing(_Strict):
@@ -71,7 +60,7 @@ class Pricing(_Strict):
     discount: float = Field(default=0.0, ge=0.0, le=1.0)
     overrides: tuple[PriceOverride, ...] = ()
 
-    _check = field_validator("prompt", "completion", "request")(_usd_string)
+    _check = field_validator("prompt", "completion", "request")(check_price)
 
     def rates(self, prompt_tokens: int) -> tuple[float, float]:
         """Effective (prompt, completion) USD per token for a request, after overrides
