@@ -7,6 +7,7 @@ pytest_plugins = [
     "fixtures.sandbox",
     "fixtures.project",
     "fixtures.generation",
+    "fixtures.bad_inputs",
 ]
 
 
