@@ -14,7 +14,9 @@ from pydantic import BaseModel, ValidationError
 from quanthunt.errors import ConfigError
 
 M = TypeVar("M", bound=BaseModel)
-_USERINFO = re.compile(r"//[^/?#@]*@")
+_USERINFO = re.compile(r"//[^\s'\"@]*@")
+"""A URL's ``//user:password@``: everything from ``//`` to the first ``@`` (a password may
+hold ``/``, ``?`` or ``#`` unescaped), stopping at a space or a quote."""
 
 
 def one_line(text: str, limit: int) -> str:
@@ -31,6 +33,11 @@ def _part(part: int | str) -> str:
     if isinstance(part, str) and (not text.isprintable() or "." in text or text != text.strip() or not text):
         text = repr(part)
     return one_line(text, 60)
+
+
+def hide_userinfo(text: str) -> str:
+    """``text`` with every URL's user and password (``//user:pw@``) replaced by ``//***@``."""
+    return _USERINFO.sub("//***@", text)
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:
@@ -65,12 +72,12 @@ def validated(model: type[M], data: Any, *, source: str) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        message = one_line(_USERINFO.sub("//***@", first["msg"]), 300)
+        message = one_line(hide_userinfo(first["msg"]), 300)
         if first["type"] == "extra_forbidden":
             message = "unknown key"
         value = first.get("input")
         if isinstance(value, str):
-            value = _USERINFO.sub("//***@", value)
+            value = hide_userinfo(value)
         shown = "" if isinstance(value, dict | list) or first["type"] == "missing" else f" (got {one_line(repr(value), 80)})"
         if isinstance(value, float) and math.isnan(value):
             shown = " (got NaN)"

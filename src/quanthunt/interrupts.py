@@ -30,7 +30,9 @@ class StopSignals:
     """SIGINT and SIGTERM handlers for the running event loop, while in the ``with`` block.
 
     Installed whatever the inherited disposition: a stage started in the background of a
-    non-interactive shell inherits SIGINT ignored, and must still stop when sent one."""
+    non-interactive shell inherits SIGINT ignored, and must still stop when sent one. The
+    handlers there before (the CLI's, which end the command with exit 130) are put back when
+    the block ends."""
 
     def __init__(self, task: asyncio.Future[Any], *, grace_s: float, on_first: Callable[[str], None]) -> None:
         self.task, self.grace_s, self.on_first = task, grace_s, on_first
@@ -40,10 +42,12 @@ class StopSignals:
         """Whether the work was cancelled (a second signal, or the grace ran out)."""
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._previous: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> StopSignals:
         self._loop = asyncio.get_running_loop()
         for sig in SIGNALS:
+            self._previous[sig] = signal.getsignal(sig)
             self._loop.add_signal_handler(sig, self._signalled, sig)
         return self
 
@@ -52,7 +56,9 @@ class StopSignals:
         if self._timer is not None:
             self._timer.cancel()
         for sig in SIGNALS:
-            self._loop.remove_signal_handler(sig)
+            self._loop.remove_signal_handler(sig)  # leaves SIGINT raising KeyboardInterrupt, SIGTERM killing
+            if self._previous.get(sig) is not None:  # None: a handler installed outside Python
+                signal.signal(sig, self._previous[sig])
 
     @property
     def reason(self) -> str:

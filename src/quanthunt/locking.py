@@ -25,8 +25,9 @@ def exclusive(path: Path, *, what: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-            raise Busy(f"{what} is already running (pid {holder}); wait for it to finish or stop it") from None
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            holder = f"pid {pid}" if pid else "by another process"
+            raise Busy(f"{what} is already running ({holder}); wait for it to finish or stop it") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield

@@ -32,7 +32,8 @@ def _stage(path: Path, data: bytes) -> Path:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and an atomic rename."""
-    os.replace(_stage(path, data), path)
+    with Outputs() as out:
+        out.write_bytes(path, data)
 
 
 class Outputs:
@@ -43,6 +44,8 @@ class Outputs:
 
     def write_bytes(self, path: Path, data: bytes) -> None:
         staged = _stage(path, data)
+        # A second write to the same path overwrote its staged file: stage it once, last write wins.
+        self._staged = [(s, p) for s, p in self._staged if s != staged]
         self._staged.append((staged, path))
 
     def write_text(self, path: Path, text: str) -> None:
@@ -52,9 +55,11 @@ class Outputs:
         self.write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
     def commit(self) -> None:
-        for staged, path in self._staged:
-            os.replace(staged, path)
-        self._staged.clear()
+        try:
+            for staged, path in self._staged:
+                os.replace(staged, path)
+        finally:
+            self.discard()  # what could not be moved in (nothing, when every rename succeeded)
 
     def discard(self) -> None:
         for staged, _ in self._staged:

@@ -8,12 +8,12 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from quanthunt.config_files import one_line
+from quanthunt.config_files import hide_userinfo, one_line
 
 
 def is_loopback(host: str) -> bool:
-    """``localhost`` or a loopback address (``[::1]`` as a URL writes it, too)."""
-    if host == "localhost":
+    """``localhost`` (any case) or a loopback address (``[::1]`` as a URL writes it, too)."""
+    if host.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -23,20 +23,28 @@ def is_loopback(host: str) -> bool:
 
 def check_base_url(url: str) -> str:
     """An https URL, or plain http to a loopback host (the sandbox, a local server), that
-    the HTTP client can use (a numeric port in range, no credentials).
+    the HTTP client reads as it is written (a numeric port in range, no credentials, no
+    surrounding spaces).
 
-    Raises ``ValueError`` naming the problem; returns the URL without a trailing slash.
+    Raises ``ValueError`` naming the problem, never quoting a user or password; returns the
+    URL without a trailing slash.
     """
-    parts = urlsplit(url)
+    shown = one_line(hide_userinfo(url), 80)
+    if url != url.strip():  # urlsplit strips the spaces, the HTTP client keeps them (a relative URL)
+        raise ValueError(f"is not a usable URL (spaces around it): {shown!r}")
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unclosed "[" of an IPv6 host
+        raise ValueError(f"is not a usable URL: {shown!r}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http(s) URL, got {one_line(url, 80)!r}")
+        raise ValueError(f"must be an http(s) URL, got {shown!r}")
     try:
         parts.port  # noqa: B018 - raises for a port that is not a number in range
         httpx.URL(url)
     except (ValueError, httpx.InvalidURL):
-        raise ValueError(f"is not a usable URL: {one_line(url, 80)!r}") from None
+        raise ValueError(f"is not a usable URL: {shown!r}") from None
     if parts.scheme == "http" and not is_loopback(parts.hostname):
         raise ValueError(f"plain http is only allowed to a loopback host; use https for {parts.hostname}")
-    if parts.username or parts.password:
+    if "@" in parts.netloc:  # an empty user ("https://@host") too
         raise ValueError("must not carry credentials; the API key comes from the environment")
     return url.rstrip("/")
