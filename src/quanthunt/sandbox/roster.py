@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -92,31 +92,34 @@ class RateLimit(_Strict):
     burst: int = Field(ge=1)
 
 
+Probability = Annotated[float, Field(ge=0, le=1)]
+
+
 class Faults(_Strict):
     """Probabilities (per request) of each fault the sandbox can inject."""
 
-    rate_limit: float = Field(default=0.0, ge=0, le=1)
+    rate_limit: Probability = 0.0
     """429 with a ``Retry-After`` header."""
-    rate_limit_no_retry_after: float = Field(default=0.0, ge=0, le=1)
-    server_error: float = Field(default=0.0, ge=0, le=1)
+    rate_limit_no_retry_after: Probability = 0.0
+    server_error: Probability = 0.0
     """500"""
-    bad_gateway: float = Field(default=0.0, ge=0, le=1)
+    bad_gateway: Probability = 0.0
     """502"""
-    unavailable: float = Field(default=0.0, ge=0, le=1)
+    unavailable: Probability = 0.0
     """503"""
-    timeout: float = Field(default=0.0, ge=0, le=1)
+    timeout: Probability = 0.0
     """The reply's headers are sent, then the body is held for ``timeout_s`` (billed)."""
-    connection_reset: float = Field(default=0.0, ge=0, le=1)
+    connection_reset: Probability = 0.0
     """The connection is dropped after the headers (not billed)."""
-    malformed_json: float = Field(default=0.0, ge=0, le=1)
+    malformed_json: Probability = 0.0
     """HTTP 200 with a body that is not JSON (billed: the provider did the work)."""
-    truncated_body: float = Field(default=0.0, ge=0, le=1)
+    truncated_body: Probability = 0.0
     """HTTP 200 whose body stops half-way (billed)."""
-    finish_error: float = Field(default=0.0, ge=0, le=1)
+    finish_error: Probability = 0.0
     """HTTP 200 with ``finish_reason: "error"`` and no output (not billed)."""
-    error_200: float = Field(default=0.0, ge=0, le=1)
+    error_200: Probability = 0.0
     """HTTP 200 whose body is a top-level ``{"error": {"code": 502, ...}}``, no choices (not billed)."""
-    empty_answer: float = Field(default=0.0, ge=0, le=1)
+    empty_answer: Probability = 0.0
     """A reasoning model's thinking ate ``max_tokens``: ``content: null``, ``finish_reason:
     "length"``, the tokens in ``reasoning`` (billed)."""
     retry_after_s: float = Field(default=1.0, ge=0)
@@ -126,20 +129,9 @@ class Faults(_Strict):
         return float(sum(getattr(self, name) for name in FAULT_KINDS))
 
 
-FAULT_KINDS = (
-    "rate_limit",
-    "rate_limit_no_retry_after",
-    "server_error",
-    "bad_gateway",
-    "unavailable",
-    "timeout",
-    "connection_reset",
-    "malformed_json",
-    "truncated_body",
-    "finish_error",
-    "error_200",
-    "empty_answer",
-)
+FAULT_KINDS = tuple(name for name in Faults.model_fields if not name.endswith("_s"))
+"""Every fault a request may draw: ``Faults``' probabilities (its fields but the durations,
+``*_s``), in the order they are drawn."""
 
 
 OptionalParameter = Literal["temperature", "top_p", "seed", "stop"]
