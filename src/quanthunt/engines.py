@@ -20,7 +20,6 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import IO
 
 import httpx
@@ -28,7 +27,7 @@ import httpx
 from quanthunt.defaults import SANDBOX_HOST, VLLM_STARTUP_TIMEOUT_S
 from quanthunt.errors import QuanthuntError
 from quanthunt.sandbox.roster import ModelInfo
-from quanthunt.sandbox.server import bind, stop_child
+from quanthunt.sandbox.server import ChildServer, bind
 
 MAX_MODEL_LEN = 2048
 """Context of the served model: enough for any probe, small enough for a 1 GiB KV cache."""
@@ -38,8 +37,12 @@ class EngineError(QuanthuntError):
     """The engine could not be started (not installed, crashed, or never ready)."""
 
 
-class VllmServer:
-    """vLLM's OpenAI-compatible server in a child process group on a loopback port."""
+class VllmServer(ChildServer):
+    """vLLM's OpenAI-compatible server in a child process group on a loopback port (stopped
+    as a group: vLLM runs its engine in a child of its own)."""
+
+    grace_s = 30.0
+    group = True
 
     def __init__(self, *, python: Path, port: int = 0, log_path: Path | None = None, model_id: str | None = None) -> None:
         self.python, self.port, self.log_path = python, port, log_path
@@ -105,17 +108,3 @@ class VllmServer:
         except (OSError, ValueError):
             return ""
         return lines[-1][:300] if lines else ""
-
-    def stop(self) -> None:
-        """SIGTERM the whole process group (vLLM runs its engine in a child), SIGKILL after 30 s."""
-        if self._proc is not None:
-            stop_child(self._proc, grace_s=30, group=True)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> VllmServer:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()

@@ -118,6 +118,12 @@ class Sandbox:
 
     # -- helpers ---------------------------------------------------------------------
 
+    def authorised(self, request: Request) -> str | Response:
+        """The caller's key once the gateway's own faults are drawn: the key, or the response to answer."""
+        if (fault := self.gateway_fault()) is not None:
+            return fault
+        return self.caller(request)
+
     def caller(self, request: Request) -> str | Response:
         """The request's bearer key, or the 401 to answer when it has none."""
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -188,17 +194,13 @@ class Sandbox:
         return JSONResponse({"data": catalogue.model_endpoints(self.roster, int(self.started))})
 
     async def key_info(self, request: Request) -> Response:
-        if (fault := self.gateway_fault()) is not None:
-            return fault
-        key = self.caller(request)
+        key = self.authorised(request)
         if isinstance(key, Response):
             return key
         return JSONResponse({"data": catalogue.key_data(key, self.billing.account(key))})
 
     async def generation(self, request: Request) -> Response:
-        if (fault := self.gateway_fault()) is not None:
-            return fault
-        key = self.caller(request)
+        key = self.authorised(request)
         if isinstance(key, Response):
             return key
         gen_id = request.query_params.get("id", "")

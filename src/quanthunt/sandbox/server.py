@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Self
 
 from quanthunt.defaults import SANDBOX_HOST, SANDBOX_STARTUP_TIMEOUT_S
 from quanthunt.errors import SandboxError
@@ -38,25 +38,47 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def stop_child(proc: subprocess.Popen[Any], *, grace_s: float, group: bool = False) -> None:
-    """SIGTERM a child server (its whole process group with ``group``), SIGKILL it after
-    ``grace_s``, and reap it."""
-    if proc.poll() is not None:
-        return
+class ChildServer:
+    """A server run in a child process, with its log: ``stop`` (or leaving ``with``) sends
+    SIGTERM (to its whole process group with ``group``), SIGKILL after ``grace_s``, reaps
+    it and closes the log. Subclasses set ``_proc`` and ``_log`` in ``start``."""
 
-    def send(sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            if group:
-                os.killpg(proc.pid, sig)
-            else:
-                proc.send_signal(sig)
+    grace_s = 10.0
+    group = False
+    _proc: subprocess.Popen[Any] | None = None
+    _log: IO[Any] | None = None
 
-    send(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        send(signal.SIGKILL)
-        proc.wait()
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+
+            def send(sig: int) -> None:
+                with contextlib.suppress(ProcessLookupError):
+                    if self.group:
+                        os.killpg(proc.pid, sig)
+                    else:
+                        proc.send_signal(sig)
+
+            send(signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.grace_s)
+            except subprocess.TimeoutExpired:
+                send(signal.SIGKILL)
+                proc.wait()
+        if proc is not None and proc.stdout:
+            proc.stdout.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
 
 
 def serve(*, host: str, port: int, roster_path: Path | None, mode: str, allow_remote: bool = False) -> None:
@@ -122,7 +144,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-class SandboxProcess:
+class SandboxProcess(ChildServer):
     """A sandbox in a child process on a free loopback port.
 
     Usage::
@@ -237,18 +259,3 @@ class SandboxProcess:
         if self._proc and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            stop_child(self._proc, grace_s=10)
-            if self._proc.stdout:
-                self._proc.stdout.close()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> SandboxProcess:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
