@@ -111,9 +111,11 @@ async def openai_sdk(url: str, total: int, in_flight: int) -> Timings:
 async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: float = RAMP_UP_S) -> Timings:
     from quanthunt.aiohttp_chat import AiohttpChat
     from quanthunt.gateway import ApiKey, Routing
-    from quanthunt.generation import Eligible, Engine, Job, RecordSink
+    from quanthunt.generation import Engine
+    from quanthunt.jobs import Eligible, Job
     from quanthunt.ledger import Ledger, LedgerWriter
     from quanthunt.params import Retry, Sampling
+    from quanthunt.records import RecordSink
 
     sampling = Sampling(temperature=0.7, top_p=1.0, max_tokens=16, seed=0)
     retry = Retry(max_attempts=6, base_delay_s=0.5, max_delay_s=30, empty_answer_max_tokens=None)
@@ -144,7 +146,16 @@ async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: floa
 
 CLIENTS = {"quanthunt": quanthunt_engine, "openai-sdk": openai_sdk, "raw-aiohttp": raw_aiohttp}
 MODULES = {
-    "quanthunt": ("aiohttp", "orjson", "quanthunt.aiohttp_chat", "quanthunt.generation", "quanthunt.ledger", "quanthunt.prompts"),
+    "quanthunt": (
+        "aiohttp",
+        "orjson",
+        "quanthunt.aiohttp_chat",
+        "quanthunt.generation",
+        "quanthunt.jobs",
+        "quanthunt.records",
+        "quanthunt.ledger",
+        "quanthunt.prompts",
+    ),
     "openai-sdk": ("httpx", "openai"),
     "raw-aiohttp": ("aiohttp",),
 }

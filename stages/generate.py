@@ -22,10 +22,10 @@ from rich.console import Console
 from quanthunt.connection import open_targets
 from quanthunt.errors import ConfigError
 from quanthunt.generate_run import detail, done_line, eligible_providers, log_run, run, run_failure, summary
-from quanthunt.generation import publish
 from quanthunt.locking import exclusive
 from quanthunt.outputs import write_atomic
 from quanthunt.prompts import count_prompts
+from quanthunt.records import publish
 from quanthunt.stage import Stage
 
 

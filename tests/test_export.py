@@ -18,7 +18,7 @@ from fixtures.verdicts import provider_verdict, verdicts_of
 
 from quanthunt.errors import ConfigError
 from quanthunt.export import HEADLINE, check_dataset, failed, final_text, provenance_card, read_inputs, report, sha256_file
-from quanthunt.generation import dataset_params_hash
+from quanthunt.jobs import dataset_params_hash
 from quanthunt.ledger import Ledger, RequestKey
 from quanthunt.params import Params, section_digest
 from quanthunt.templates import PromptCheck

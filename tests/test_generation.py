@@ -19,10 +19,12 @@ import pytest
 from fixtures.params import changed
 
 from quanthunt.gateway import Routing
-from quanthunt.generation import Eligible, Engine, Job, RecordSink, quiet_collector
+from quanthunt.generation import Engine, quiet_collector
+from quanthunt.jobs import Eligible, Job
 from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
 from quanthunt.params import Retry, Sampling
 from quanthunt.prompts import PromptRecord, Turn
+from quanthunt.records import RecordSink
 from quanthunt.replies import ChatReply, Usage
 
 HASH = "p" * 64

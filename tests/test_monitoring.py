@@ -16,7 +16,8 @@ from fixtures.params import SHIPPED, changed
 from test_generation import PinnedChat, job, lines, records, writing
 
 from quanthunt.errors import EXIT_OUT_OF_BUDGET
-from quanthunt.generation import Eligible, Engine
+from quanthunt.generation import Engine
+from quanthunt.jobs import Eligible
 from quanthunt.ledger import Ledger
 from quanthunt.measurements import LogprobCompletion
 from quanthunt.monitor import ProviderMonitor

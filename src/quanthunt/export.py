@@ -21,7 +21,7 @@ import orjson
 
 from quanthunt import schemas
 from quanthunt.errors import ConfigError, QuanthuntError
-from quanthunt.generation import dataset_params_hash
+from quanthunt.jobs import dataset_params_hash
 from quanthunt.ledger import Ledger
 from quanthunt.monitoring import UNLOGGED, monitor_card, suspect_checkpoints
 from quanthunt.params import DatasetFiles, Params, section_digest

@@ -12,10 +12,13 @@ Shape of a run:
 - every request is reserved against the budget at its worst-case cost, marked
   ``in_flight`` in the ledger (committed) *before* it is sent, and settled from the
   reply's ``usage.cost``;
-- a finished record is handed to the sink and the worker moves on; the sink waits for
-  the ledger to commit the record's replies, appends the line to the output (fsynced, in
-  groups) and only then marks it done with its line's sha256. A restart repairs the gap
-  either way.
+- a finished record is handed to the sink (``quanthunt.records``) and the worker moves
+  on; the sink waits for the ledger to commit the record's replies, appends the line to
+  the output (fsynced, in groups) and only then marks it done with its line's sha256. A
+  restart repairs the gap either way.
+
+What a run is asked to do (the ``Job``, its eligible endpoints) and its ``Progress`` are
+in ``quanthunt.jobs``.
 
 Routing: every request is pinned to one eligible endpoint (by tag; a provider may have
 several), chosen with weights 1/price² as OpenRouter's own load balancing weighs them, so
@@ -26,8 +29,8 @@ Failures: 408/429/5xx, timeouts, resets, malformed bodies and HTTP 200 with
 ``finish_reason: "error"`` or a top-level ``error`` are retried with exponential backoff
 and full jitter, honouring ``Retry-After``; a 429 also pauses every worker (a shared
 cooldown). An answer with no content (a reasoning model's thinking ate ``max_tokens``)
-is paid for, counted as ``empty_answer``, never written, and asked again. 400 fails the request; 401/403 and 404
-``constraint_filtered`` stop the run (``StopRun``, exit 2); any 402 but the in-flight
+is paid for, counted as ``empty_answer``, never written, and asked again. 400 fails the
+request; 401/403 and 404 ``constraint_filtered`` stop the run (``StopRun``, exit 2); any 402 but the in-flight
 budget's (credits, key limit, or no ``limit_source`` at all), and the run's own cap, stop
 dispatching (exit 75: top up and rerun).
 """
@@ -38,29 +41,20 @@ import asyncio
 import contextlib
 import functools
 import gc
-import hashlib
-import json
-import os
 import random
-import shutil
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Protocol
 
-import orjson
-
-from quanthunt import __version__
 from quanthunt.defaults import GATEWAY_LIMITS, GATEWAY_UNREACHABLE_S
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
-from quanthunt.gateway import TRANSIENT, GatewayError, Routing, chat_body, same_provider
-from quanthunt.ledger import BILLING, Ledger, LedgerWriter, RequestKey
+from quanthunt.gateway import TRANSIENT, GatewayError, chat_body, same_provider
+from quanthunt.jobs import Eligible, Job, Progress, estimate_prompt_tokens
+from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
 from quanthunt.monitoring import LOGPROB_TOP, Event, Monitoring
-from quanthunt.params import Params, Retry, Sampling
 from quanthunt.prompts import PromptRecord, next_request, skeleton
+from quanthunt.records import RecordSink, record_line
 from quanthunt.replies import ChatReply, Generation
 
 BILLED_UNKNOWN = frozenset({"timeout", "disconnect", "malformed", "unexpected_reply", "transport"})
@@ -86,104 +80,6 @@ class ChatClient(Protocol):
 
 Lookup = Callable[[str], Awaitable[Generation]]
 """``Gateway.generation``: a generation record by id (waits out the lookup's lag)."""
-
-
-TURN_FIELDS = ("generation_id", "finish_reason", "prompt_tokens", "completion_tokens", "cost_usd", "monitor")
-"""What a turn's provenance copies from its reply."""
-
-
-@dataclass(frozen=True)
-class Eligible:
-    """An endpoint generation may use, as verification judged it."""
-
-    name: str
-    """The provider's name (several endpoints may share it)."""
-    tag: str
-    declared_quantization: str
-    verdict: str
-    prompt_usd_per_token: float
-    completion_usd_per_token: float
-    context_length: int
-    siblings: tuple[str, ...] = ()
-    """The gateway's other endpoint tags (``Routing.pin`` ignores the variants a base slug
-    would also reach)."""
-    verdict_run_id: str | None = None
-    """The MLflow run that measured this endpoint (nested in the verification run)."""
-
-    def provenance(self) -> dict[str, str | None]:
-        """Who served a turn, as its provenance names it."""
-        return {
-            "provider": self.name,
-            "endpoint_tag": self.tag,
-            "declared_quantization": self.declared_quantization,
-            "verdict": self.verdict,
-            "verdict_run_id": self.verdict_run_id,
-        }
-
-    @property
-    def weight(self) -> float:
-        """OpenRouter's load-balancing weight: 1 / price²."""
-        return 1.0 / max(self.prompt_usd_per_token + self.completion_usd_per_token, 1e-12) ** 2
-
-
-@dataclass(frozen=True)
-class Job:
-    """Everything one run of one dataset needs to know."""
-
-    dataset: str
-    model: str
-    sampling: Sampling
-    providers: tuple[Eligible, ...]
-    routing: Routing
-    """Preferences every request carries (data collection, quantizations); each request
-    is pinned to one endpoint on top of them."""
-    params_hash: str
-    run_id: str
-    max_usd: float
-    """Hard cap on this run's spend (settled plus possibly-billed)."""
-    max_output_tokens: int | None
-    """Token budget of the dataset (all runs together)."""
-    concurrency: int
-    retry: Retry
-    verification_run_id: str | None
-    ramp_up_s: float = 0.0
-    """The first wave is spread over this long: worker k starts after k/concurrency of it."""
-    reasoning: Mapping[str, Any] | None = None
-    """The request's ``reasoning`` object (``Reasoning.request()``: thinking off, or unset)."""
-
-    @property
-    def worst_prompt_rate(self) -> float:
-        return max(p.prompt_usd_per_token for p in self.providers)
-
-    @property
-    def worst_completion_rate(self) -> float:
-        return max(p.completion_usd_per_token for p in self.providers)
-
-    @property
-    def context_length(self) -> int:
-        return min(p.context_length for p in self.providers)
-
-
-def params_hash(model: str, sampling: Mapping[str, Any], reasoning: str = "none") -> str:
-    """What a record's content depends on: the model, the sampling params and whether a
-    reasoning model thinks (``reasoning.mode``; ``none`` leaves the hash as it was before
-    the mode existed). Concurrency, budgets and retry bounds may change between runs
-    without starting a dataset over."""
-    keyed: dict[str, Any] = {"model": model, "sampling": dict(sampling)}
-    if reasoning != "none":
-        keyed["reasoning"] = reasoning
-    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
-
-
-def dataset_params_hash(params: Params) -> str:
-    """``params_hash`` of what ``params.yaml`` sets: it keys the ledger and the working file."""
-    return params_hash(params.survey.model, params.generate.sampling.model_dump(mode="json"), params.reasoning.mode)
-
-
-def estimate_prompt_tokens(messages: Iterable[Mapping[str, str]]) -> int:
-    """An upper estimate of a prompt's tokens without the provider's tokenizer: one token
-    per 2 characters of UTF-8 (real BPE averages 3-4), plus 8 per message for the template."""
-    return sum(len(m["content"].encode()) // 2 + 8 for m in messages) + 8
 
 
 class Budget:
@@ -240,123 +136,6 @@ class Cooldown:
             await asyncio.sleep(left)
 
 
-@dataclass
-class Progress:
-    """Live counters of a run (the progress display and the summary read them)."""
-
-    records_total: int = 0
-    records_done_before: int = 0
-    records_done: int = 0
-    records_failed: int = 0
-    records_skipped: int = 0
-    requests_ok: int = 0
-    in_flight: int = 0
-    output_tokens_before: int = 0
-    output_tokens: int = 0
-    retries: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
-    providers: Counter[str] = field(default_factory=Counter)
-    """Replies by endpoint tag."""
-    quarantined: int = 0
-    retired: dict[str, str] = field(default_factory=dict)
-    """Endpoints dropped for the rest of the run (tag -> why)."""
-    monitor_stops: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Providers their monitor stopped this run (tag -> ``monitor.Stop`` fields, and the
-    replies it had served this run when the stop came: ``providers`` minus it is what was
-    in flight or already sent while its last monitored replies were being scored)."""
-    started: float = field(default_factory=time.monotonic)
-    stop_reason: str | None = None
-    skipped_reasons: Counter[str] = field(default_factory=Counter)
-
-
-class RecordSink:
-    """Appends finished records to the output in groups: wait for the ledger to commit the
-    records' finished turns, write, flush, fsync, then mark them done in the ledger (with
-    each line's sha256). A crash in between is repaired at the next start by
-    ``prepare_output``. Workers hand a record over with ``add`` and go on with the next one;
-    the returned future says when it is safely written."""
-
-    def __init__(
-        self, path: Path, ledger: Ledger, writer: LedgerWriter, dataset: str, params_hash: str, *, interval_s: float = 0.01
-    ) -> None:
-        self.path, self.ledger, self.writer = path, ledger, writer
-        self.dataset, self.params_hash, self.interval_s = dataset, params_hash, interval_s
-        self._pending: list[tuple[str, str, tuple[asyncio.Future[Any], ...], asyncio.Future[None]]] = []
-        self._outstanding: set[asyncio.Future[None]] = set()
-        self._wakeup = asyncio.Event()
-        self._closed = False
-        self._error: BaseException | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._fh = path.open("ab")
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    @property
-    def backlog(self) -> int:
-        """Records handed over and not yet written."""
-        return len(self._outstanding)
-
-    def add(self, record_id: str, line: str, *, after: Iterable[asyncio.Future[Any]] = ()) -> asyncio.Future[None]:
-        """Queue a finished record. ``after``: the ledger writes of its finished turns, which
-        must commit before its line reaches the file (so no line exists whose cost the
-        ledger does not know). The future resolves once the line is fsynced and marked done."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self._error is not None:
-            future.set_exception(self._error)
-            return future
-        self._pending.append((record_id, line, tuple(after), future))
-        self._outstanding.add(future)
-        future.add_done_callback(self._outstanding.discard)
-        self._wakeup.set()
-        return future
-
-    async def drain(self) -> None:
-        """Wait until every record handed over is written (or failed)."""
-        if self._outstanding:
-            await asyncio.gather(*self._outstanding, return_exceptions=True)
-
-    async def _run(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            if not self._closed:
-                await asyncio.sleep(self.interval_s)
-            batch, self._pending = self._pending, []
-            if batch:
-                await self._flush(batch)
-            if self._closed and not self._pending:
-                return
-
-    async def _flush(self, batch: list[tuple[str, str, tuple[asyncio.Future[Any], ...], asyncio.Future[None]]]) -> None:
-        try:
-            if self._error is not None:
-                raise self._error
-            await asyncio.gather(*(f for _, _, after, _ in batch for f in after))
-            self._fh.write(b"".join((line + "\n").encode() for _, line, _, _ in batch))
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            lines = [(record_id, line, sha256_line(line)) for record_id, line, _, _ in batch]
-            await self.writer.write(lambda: self.ledger.op_records(self.dataset, self.params_hash, lines))
-        except Exception as exc:  # every record of the batch, and every later one, fails with it
-            self._error = exc
-            for *_, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-            return
-        for *_, future in batch:
-            if not future.done():
-                future.set_result(None)
-
-    async def close(self) -> None:
-        self._closed = True
-        self._wakeup.set()
-        if self._task is not None:
-            with contextlib.suppress(Exception):
-                await self._task
-        self._fh.close()
-
-
 @contextlib.contextmanager
 def quiet_collector(young_threshold: int = 50_000) -> Iterator[None]:
     """Keep Python's cyclic garbage collector from eating the run.
@@ -376,10 +155,6 @@ def quiet_collector(young_threshold: int = 50_000) -> Iterator[None]:
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()
-
-
-def sha256_line(line: str) -> str:
-    return hashlib.sha256(line.encode()).hexdigest()
 
 
 class Engine:
@@ -527,62 +302,15 @@ class Engine:
             self.stop(f"writing the ledger {self.ledger.path} failed: {error}")
 
     def _line(self, record: PromptRecord, replies: list[dict[str, Any]], started: float) -> str:
-        conversation: list[dict[str, Any]] = []
-        segments = skeleton(record)
-        for segment, reply in zip(segments, replies, strict=True):
-            conversation += [{"role": t.role, "content": t.content} for t in segment]
-            turn: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
-            if reply.get("reasoning"):
-                turn["reasoning_content"] = reply["reasoning"]
-            conversation.append(turn)
-        costs = self._record_costs.get(record.id, 0.0)
-        attempts = [self._attempts.get((record.id, turn), Counter()) for turn in range(len(replies))]
-        turns = [
-            {
-                **self._served_by(r),
-                "verification_run_id": self.job.verification_run_id,
-                **{k: r.get(k) for k in TURN_FIELDS},
-                # Every attempt of every run, not only the one that succeeded.
-                "attempts": a.total(),
-                "attempts_by_billing": {b: a[b] for b in BILLING},
-            }
-            for r, a in zip(replies, attempts, strict=True)
-        ]
-        served_by = {r["endpoint_tag"]: self._served_by(r) for r in replies}
-        provenance = {
-            "providers": list(served_by.values()),  # in order of first use; each turn names its own
-            "verification_run_id": self.job.verification_run_id,
-            "model": self.job.model,
-            "sampling": {
-                "temperature": self.job.sampling.temperature,
-                "top_p": self.job.sampling.top_p,
-                "max_tokens": self.job.sampling.max_tokens,
-                "seed": self.job.sampling.seed,
-            },
-            "usage": {
-                "prompt_tokens": sum(r["prompt_tokens"] for r in replies),
-                "completion_tokens": sum(r["completion_tokens"] for r in replies),
-                "cost_usd": round(costs, 10),
-            },
-            "attempts": sum(a.total() for a in attempts),
-            "turns": turns,
-            "started_at": _iso(started),
-            "finished_at": _iso(time.time()),
-            "params_sha256": self.job.params_hash,
-            "quanthunt_version": __version__,
-        }
-        return orjson.dumps(
-            {"id": record.id, "dataset": self.job.dataset, "conversations": conversation, "provenance": provenance}
-        ).decode()
-
-    def _served_by(self, reply: Mapping[str, Any]) -> dict[str, str | None]:
-        """The endpoint's provenance; a turn an earlier run got from an endpoint this run's
-        verdicts no longer list keeps its name, and validation will refuse it."""
-        endpoint = self._endpoints.get(str(reply["endpoint_tag"]))
-        if endpoint is not None:
-            return endpoint.provenance()
-        return {"provider": reply.get("provider"), "endpoint_tag": reply["endpoint_tag"], "declared_quantization": None,
-                "verdict": None, "verdict_run_id": None}  # fmt: skip
+        return record_line(
+            self.job,
+            record,
+            replies,
+            endpoints=self._endpoints,
+            cost_usd=self._record_costs.get(record.id, 0.0),
+            attempts=[self._attempts.get((record.id, turn), Counter()) for turn in range(len(replies))],
+            started=started,
+        )
 
     async def _request(
         self, key: RequestKey, messages: list[dict[str, str]], committing: list[asyncio.Future[Any]]
@@ -829,99 +557,3 @@ async def reconcile_earlier(ledger: Ledger, dataset: str, lookup: Lookup) -> int
         if record is not None:
             ledger.reconcile(attempt_id, record.total_cost)
     return sum(record is not None for record in records)
-
-
-def _iso(moment: float) -> str:
-    return datetime.fromtimestamp(moment, UTC).isoformat(timespec="milliseconds")
-
-
-@dataclass(frozen=True)
-class Repair:
-    """What ``prepare_output`` found and fixed before a run."""
-
-    done_ids: frozenset[str]
-    truncated_bytes: int
-    adopted: int
-    """Lines already in the file that the ledger had not marked done (a crash between)."""
-    restored: int
-    """Records the ledger marked done that were missing from the file, written back from
-    the ledger's copy of the line."""
-    edited: tuple[str, ...]
-    """Ids whose line differs from the one the ledger recorded (validation will name them)."""
-
-
-def prepare_output(path: Path, ledger: Ledger, dataset: str, params_hash: str) -> Repair:
-    """Make the output file and the ledger agree before generating (called under the
-    dataset's lock): cut a half-written last line, adopt lines the ledger missed, write back
-    done records the file lost. Refuses (``ConfigError``) to mix records made with other
-    sampling params, or a file with an id twice."""
-    from quanthunt.errors import ConfigError
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = path.read_bytes() if path.exists() else b""
-    truncated = 0
-    if data and not data.endswith(b"\n"):
-        keep = data.rfind(b"\n") + 1
-        truncated = len(data) - keep
-        with path.open("r+b") as fh:
-            fh.truncate(keep)
-        data = data[:keep]
-    in_file: dict[str, str] = {}
-    for number, raw in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
-        try:
-            entry = json.loads(raw)
-            record_id, record_hash = str(entry["id"]), entry["provenance"]["params_sha256"]
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{path}:{number}: not a generated record; move the file away to start over") from None
-        if record_hash != params_hash:
-            raise ConfigError(
-                f"{path}:{number}: record {record_id} was generated with other sampling params ({record_hash[:12]}); "
-                "move the file away or restore those params"
-            )
-        if record_id in in_file:
-            raise ConfigError(f"{path}:{number}: record {record_id} appears twice")
-        in_file[record_id] = raw
-    recorded = ledger.done_records(dataset, params_hash)
-    adopt = [(r, line) for r, line in in_file.items() if r not in recorded]
-    restore = [(r, line) for r, (_, line) in recorded.items() if r not in in_file]
-    edited = tuple(sorted(r for r, line in in_file.items() if r in recorded and sha256_line(line) != recorded[r][0]))
-    if adopt:
-        with ledger.transaction():
-            ledger.op_records(dataset, params_hash, [(r, line, sha256_line(line)) for r, line in adopt])
-    if restore:
-        with path.open("ab") as fh:
-            fh.write(b"".join((line + "\n").encode() for _, line in restore))
-            fh.flush()
-            os.fsync(fh.fileno())
-    return Repair(frozenset(in_file) | {r for r, _ in restore}, truncated, len(adopt), len(restore), edited)
-
-
-def adopt_published(published: Path, working: Path, params_hash: str) -> None:
-    """Start ``working`` from the published file when it holds these params' records (a
-    project generated before working files existed keeps its bytes, so DVC reruns nothing)."""
-    if working.exists() or not published.exists():
-        return
-    with published.open("rb") as fh:
-        first = fh.readline()
-    try:
-        same = json.loads(first)["provenance"]["params_sha256"] == params_hash
-    except (ValueError, KeyError, TypeError):
-        return
-    if same:
-        _copy_atomic(published, working)
-
-
-def publish(working: Path, published: Path) -> None:
-    """Copy a finished working file over the published output (the DVC output), atomically:
-    the published file only ever holds a whole run's records."""
-    _copy_atomic(working, published)
-
-
-def _copy_atomic(source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with source.open("rb") as src, staged.open("wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(staged, target)

@@ -1,0 +1,141 @@
+"""What one generate run of one dataset is asked to do, and what it counts as it goes: the
+endpoints it may use (``Eligible``, as verification judged them), the ``Job``, the hash of
+what a record's content depends on (it keys the ledger and the working file), and the
+run's live ``Progress``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from quanthunt.gateway import Routing
+from quanthunt.params import Params, Retry, Sampling
+
+
+@dataclass(frozen=True)
+class Eligible:
+    """An endpoint generation may use, as verification judged it."""
+
+    name: str
+    """The provider's name (several endpoints may share it)."""
+    tag: str
+    declared_quantization: str
+    verdict: str
+    prompt_usd_per_token: float
+    completion_usd_per_token: float
+    context_length: int
+    siblings: tuple[str, ...] = ()
+    """The gateway's other endpoint tags (``Routing.pin`` ignores the variants a base slug
+    would also reach)."""
+    verdict_run_id: str | None = None
+    """The MLflow run that measured this endpoint (nested in the verification run)."""
+
+    def provenance(self) -> dict[str, str | None]:
+        """Who served a turn, as its provenance names it."""
+        return {
+            "provider": self.name,
+            "endpoint_tag": self.tag,
+            "declared_quantization": self.declared_quantization,
+            "verdict": self.verdict,
+            "verdict_run_id": self.verdict_run_id,
+        }
+
+    @property
+    def weight(self) -> float:
+        """OpenRouter's load-balancing weight: 1 / price²."""
+        return 1.0 / max(self.prompt_usd_per_token + self.completion_usd_per_token, 1e-12) ** 2
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything one run of one dataset needs to know."""
+
+    dataset: str
+    model: str
+    sampling: Sampling
+    providers: tuple[Eligible, ...]
+    routing: Routing
+    """Preferences every request carries (data collection, quantizations); each request
+    is pinned to one endpoint on top of them."""
+    params_hash: str
+    run_id: str
+    max_usd: float
+    """Hard cap on this run's spend (settled plus possibly-billed)."""
+    max_output_tokens: int | None
+    """Token budget of the dataset (all runs together)."""
+    concurrency: int
+    retry: Retry
+    verification_run_id: str | None
+    ramp_up_s: float = 0.0
+    """The first wave is spread over this long: worker k starts after k/concurrency of it."""
+    reasoning: Mapping[str, Any] | None = None
+    """The request's ``reasoning`` object (``Reasoning.request()``: thinking off, or unset)."""
+
+    @property
+    def worst_prompt_rate(self) -> float:
+        return max(p.prompt_usd_per_token for p in self.providers)
+
+    @property
+    def worst_completion_rate(self) -> float:
+        return max(p.completion_usd_per_token for p in self.providers)
+
+    @property
+    def context_length(self) -> int:
+        return min(p.context_length for p in self.providers)
+
+
+def params_hash(model: str, sampling: Mapping[str, Any], reasoning: str = "none") -> str:
+    """What a record's content depends on: the model, the sampling params and whether a
+    reasoning model thinks (``reasoning.mode``; ``none`` leaves the hash as it was before
+    the mode existed). Concurrency, budgets and retry bounds may change between runs
+    without starting a dataset over."""
+    keyed: dict[str, Any] = {"model": model, "sampling": dict(sampling)}
+    if reasoning != "none":
+        keyed["reasoning"] = reasoning
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
+
+
+def dataset_params_hash(params: Params) -> str:
+    """``params_hash`` of what ``params.yaml`` sets: it keys the ledger and the working file."""
+    return params_hash(params.survey.model, params.generate.sampling.model_dump(mode="json"), params.reasoning.mode)
+
+
+def estimate_prompt_tokens(messages: Iterable[Mapping[str, str]]) -> int:
+    """An upper estimate of a prompt's tokens without the provider's tokenizer: one token
+    per 2 characters of UTF-8 (real BPE averages 3-4), plus 8 per message for the template."""
+    return sum(len(m["content"].encode()) // 2 + 8 for m in messages) + 8
+
+
+@dataclass
+class Progress:
+    """Live counters of a run (the progress display and the summary read them)."""
+
+    records_total: int = 0
+    records_done_before: int = 0
+    records_done: int = 0
+    records_failed: int = 0
+    records_skipped: int = 0
+    requests_ok: int = 0
+    in_flight: int = 0
+    output_tokens_before: int = 0
+    output_tokens: int = 0
+    retries: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    providers: Counter[str] = field(default_factory=Counter)
+    """Replies by endpoint tag."""
+    quarantined: int = 0
+    retired: dict[str, str] = field(default_factory=dict)
+    """Endpoints dropped for the rest of the run (tag -> why)."""
+    monitor_stops: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Providers their monitor stopped this run (tag -> ``monitor.Stop`` fields, and the
+    replies it had served this run when the stop came: ``providers`` minus it is what was
+    in flight or already sent while its last monitored replies were being scored)."""
+    started: float = field(default_factory=time.monotonic)
+    stop_reason: str | None = None
+    skipped_reasons: Counter[str] = field(default_factory=Counter)
