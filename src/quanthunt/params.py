@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from quanthunt import urls
 from quanthunt.config_files import one_line, parse_yaml, read_text, validated
 from quanthunt.errors import ConfigError
-from quanthunt.spec import QUANTIZATIONS
+from quanthunt.spec import Quantization
 
 SANDBOX = "sandbox"
 """A base URL of ``sandbox`` starts the built-in sandbox for the stage's duration."""
@@ -213,7 +213,7 @@ class Tracking(_Section):
 class Policy(_Section):
     """Which providers the survey keeps as candidates."""
 
-    allowed_quantizations: tuple[str, ...]
+    allowed_quantizations: tuple[Quantization, ...]
     """Declared precisions accepted. Declared ``unknown`` stays a candidate: verification decides."""
     ignore_providers: tuple[str, ...]
     """Provider names, slugs or tags never to use."""
@@ -224,14 +224,6 @@ class Policy(_Section):
     min_status: int = Field(le=0)
     """Lowest endpoint status accepted (0 healthy, -1/-2 degraded, -3 and below down)."""
     require_logprobs: bool
-
-    @field_validator("allowed_quantizations")
-    @classmethod
-    def _known(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for q in value:
-            if q not in QUANTIZATIONS:
-                raise ValueError(f"unknown quantization {q!r}; OpenRouter's are {', '.join(QUANTIZATIONS)}")
-        return value
 
 
 class PurchasePlan(_Section):
@@ -435,7 +427,7 @@ class Generate(_Section):
     max_output_tokens: int | None = Field(ge=1)
     """Token budget per dataset, all runs together (null: none)."""
     data_collection: Literal["allow", "deny"]
-    quantizations: tuple[str, ...] | None
+    quantizations: tuple[Quantization, ...] | None
     """Also filter on declared quantization in the routing request (null: verification decides)."""
     retry: Retry
     monitor: Monitor
@@ -446,14 +438,6 @@ class Generate(_Section):
     are paid for either way) before they are cut off; a second Ctrl-C cuts them off at once."""
     progress_interval_s: float = Field(gt=0)
     """Seconds between plain progress lines when the output is not a terminal."""
-
-    @field_validator("quantizations")
-    @classmethod
-    def _known(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        for q in value or ():
-            if q not in QUANTIZATIONS:
-                raise ValueError(f"unknown quantization {q!r}; OpenRouter's are {', '.join(QUANTIZATIONS)}")
-        return value
 
 
 class Validate(_Section):

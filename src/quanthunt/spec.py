@@ -5,11 +5,25 @@ honour (the contract tests check them against the schemas in ``tests/contracts``
 from __future__ import annotations
 
 import math
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from quanthunt.config_files import one_line
 
 QUANTIZATIONS = ("int4", "int8", "fp4", "mxfp4", "nvfp4", "fp6", "fp8", "mxfp8", "fp16", "bf16", "fp32", "unknown")
 """The ``Quantization`` enum: what a provider may declare."""
+
+
+def check_quantization(value: str) -> str:
+    """``value`` if it is in the ``Quantization`` enum, else a ``ValueError`` listing the enum."""
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {value!r}; OpenRouter's are {', '.join(QUANTIZATIONS)}")
+    return value
+
+
+Quantization = Annotated[str, AfterValidator(check_quantization)]
+"""A field holding one of OpenRouter's quantizations (params and rosters alike)."""
 
 ENDPOINT_STATUSES = (0, -1, -2, -3, -5, -10)
 """The ``EndpointStatus`` enum; 0 is healthy, lower is worse."""

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from quanthunt.config_files import parse_yaml, read_text, validated
 from quanthunt.errors import ConfigError
-from quanthunt.spec import ENDPOINT_STATUSES, QUANTIZATIONS, check_price
+from quanthunt.spec import ENDPOINT_STATUSES, Quantization, check_price
 
 PRECISIONS = (
     "int4-native",
@@ -224,7 +224,7 @@ class Provider(_Strict):
     unsupported_parameters: tuple[OptionalParameter, ...] = ()
     """Parameters missing from the endpoint's ``supported_parameters`` (``require_parameters``
     then routes around it)."""
-    quantization: str
+    quantization: Quantization
     """What the provider *declares* (OpenRouter's enum, ``unknown`` included)."""
     precision: str
     """What it really serves (hidden from clients)."""
@@ -263,13 +263,6 @@ class Provider(_Strict):
 
     _check_precision = field_validator("precision")(_known_precision)
     _check_mixture = field_validator("mixture")(_valid_mixture)
-
-    @field_validator("quantization")
-    @classmethod
-    def _known_quantization(cls, value: str) -> str:
-        if value not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {value!r}; OpenRouter's are {', '.join(QUANTIZATIONS)}")
-        return value
 
     @field_validator("status")
     @classmethod
