@@ -1,30 +1,30 @@
-"""The generation engine's parts, in-process: the record sink's ordering against the
-ledger, write failures, the collector settings, and a record's cost across runs (real
-SQLite in tmp_path; an in-process chat client in place of HTTP, which the stage tests
-cover against the sandbox)."""
+"""The generation engine, in-process: a write failure stops it, a record's cost and turns
+across runs, the collector settings, the ramp, routing and provenance by endpoint, empty
+answers (real SQLite in tmp_path; an in-process chat client in place of HTTP, which the
+stage tests cover against the sandbox). The sink's ordering behind the ledger:
+``test_records.py``."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import gc
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fixtures.params import changed
+from fixtures.records import writing
 
 from quanthunt.gateway import Routing
 from quanthunt.generation import Engine, quiet_collector
 from quanthunt.jobs import Eligible, Job
-from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
+from quanthunt.ledger import Ledger, RequestKey
 from quanthunt.params import Retry, Sampling
 from quanthunt.prompts import PromptRecord, Turn
-from quanthunt.records import RecordSink
 from quanthunt.replies import ChatReply, Usage
 
 HASH = "p" * 64
@@ -99,20 +99,6 @@ def records(*ids: str) -> list[PromptRecord]:
     return [PromptRecord(i, (Turn("user", f"question {i}"),)) for i in ids]
 
 
-@contextlib.asynccontextmanager
-async def writing(ledger: Ledger, output: Path) -> AsyncIterator[tuple[LedgerWriter, RecordSink]]:
-    """A started ledger writer and record sink, closed (everything queued written) on exit."""
-    writer = LedgerWriter(ledger, interval_s=0.001)
-    writer.start()
-    sink = RecordSink(output, ledger, writer, "chat", HASH, interval_s=0.001)
-    sink.start()
-    try:
-        yield writer, sink
-    finally:
-        await sink.close()
-        await writer.close()
-
-
 @dataclass(frozen=True)
 class Ran:
     engine: Engine
@@ -129,7 +115,7 @@ def run_engine(
     output = tmp_path / "out.jsonl"
 
     async def scenario() -> Ran:
-        async with writing(ledger, output) as (writer, sink):
+        async with writing(ledger, output, HASH) as (writer, sink):
             engine = Engine(the_job or job(), chat, ledger, writer, sink, done_turns=ledger.done_turns("chat", HASH))
             started = asyncio.get_running_loop().time()
             await engine.run(prompts)
@@ -138,55 +124,12 @@ def run_engine(
     return asyncio.run(scenario())
 
 
-def test_a_line_waits_for_the_ledger_write_of_its_turns(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    output = tmp_path / "out.jsonl"
-
-    async def scenario() -> tuple[str, str, bool]:
-        async with writing(ledger, output) as (_, sink):
-            turn_committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            written = sink.add("r1", '{"id": "r1"}', after=[turn_committed])
-            await asyncio.sleep(0.05)
-            before = output.read_text()
-            turn_committed.set_result(None)
-            await written
-            after = output.read_text()
-        return before, after, written.done()
-
-    before, after, done = asyncio.run(scenario())
-    assert before == ""
-    assert after == '{"id": "r1"}\n'
-    assert done
-    assert set(ledger.done_records("chat", HASH)) == {"r1"}
-
-
-def test_a_failed_ledger_write_keeps_the_line_out_and_fails_later_records_too(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    output = tmp_path / "out.jsonl"
-
-    async def scenario() -> tuple[BaseException | None, BaseException | None]:
-        async with writing(ledger, output) as (_, sink):
-            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            failed.set_exception(OSError("disk full"))
-            first = sink.add("r1", '{"id": "r1"}', after=[failed])
-            await asyncio.gather(first, return_exceptions=True)
-            second = sink.add("r2", '{"id": "r2"}')
-            await asyncio.gather(second, return_exceptions=True)
-        return first.exception(), second.exception()
-
-    first, second = asyncio.run(scenario())
-    assert isinstance(first, OSError)
-    assert second is first
-    assert output.read_text() == ""
-    assert ledger.done_records("chat", HASH) == {}
-
-
 def test_engine_stops_and_raises_when_the_output_cannot_be_written(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path / "ledger.sqlite")
     output = tmp_path / "out.jsonl"
 
     async def scenario() -> Engine:
-        async with writing(ledger, output) as (writer, sink):
+        async with writing(ledger, output, HASH) as (writer, sink):
             sink._fh.close()  # every write now fails, as on a vanished disk
             engine = Engine(job(concurrency=1), FixedCostChat(0.01), ledger, writer, sink, done_turns={})
             with pytest.raises(ValueError, match="closed file"):

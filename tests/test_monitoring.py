@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from fixtures.params import SHIPPED, changed
-from test_generation import PinnedChat, job, lines, records, writing
+from fixtures.records import writing
+from test_generation import HASH, PinnedChat, job, lines, records
 
 from quanthunt.errors import EXIT_OUT_OF_BUDGET
 from quanthunt.generation import Engine
@@ -78,7 +79,7 @@ def run_monitored(tmp_path: Path, providers: tuple[Eligible, ...], count: int) -
                                              checkpoint_every=4, audited=[]) for p in providers}  # fmt: skip
 
     async def scenario() -> Engine:
-        async with writing(ledger, tmp_path / "out.jsonl") as (writer, sink):
+        async with writing(ledger, tmp_path / "out.jsonl", HASH) as (writer, sink):
             monitoring = Monitoring(monitors, StubScorer(), ledger, writer, verification_run_id="v", dataset="chat",  # type: ignore[arg-type]
                                     settings=settings)  # fmt: skip
             engine = Engine(job(2, providers=providers), chat, ledger, writer, sink, done_turns={}, monitoring=monitoring)

@@ -1,16 +1,19 @@
 """A generated record's line and the dataset's output file: per-turn provenance in the
-line, the file repaired against the ledger at each start (a cut last line, lines the
-ledger missed, records the file lost, lines edited since), and publishing whole files.
-The sink's ordering behind the ledger: ``test_generation.py``."""
+line, the sink's ordering behind the ledger (a line waits for its turns' ledger writes; a
+failed write fails every later record), the file repaired against the ledger at each start
+(a cut last line, lines the ledger missed, records the file lost, lines edited since), and
+publishing whole files."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from fixtures.records import writing
 
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import Routing
@@ -88,6 +91,47 @@ def generated(record_id: str, params_hash: str = HASH) -> str:
 @pytest.fixture
 def ledger(tmp_path: Path) -> Ledger:
     return Ledger(tmp_path / "ledger.sqlite")
+
+
+def test_a_line_waits_for_the_ledger_write_of_its_turns(tmp_path: Path, ledger: Ledger) -> None:
+    output = tmp_path / "out.jsonl"
+
+    async def scenario() -> tuple[str, str, bool]:
+        async with writing(ledger, output, HASH) as (_, sink):
+            turn_committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            written = sink.add("r1", '{"id": "r1"}', after=[turn_committed])
+            await asyncio.sleep(0.05)
+            before = output.read_text()
+            turn_committed.set_result(None)
+            await written
+            after = output.read_text()
+        return before, after, written.done()
+
+    before, after, done = asyncio.run(scenario())
+    assert before == ""
+    assert after == '{"id": "r1"}\n'
+    assert done
+    assert set(ledger.done_records("chat", HASH)) == {"r1"}
+
+
+def test_a_failed_ledger_write_keeps_the_line_out_and_fails_later_records_too(tmp_path: Path, ledger: Ledger) -> None:
+    output = tmp_path / "out.jsonl"
+
+    async def scenario() -> tuple[BaseException | None, BaseException | None]:
+        async with writing(ledger, output, HASH) as (_, sink):
+            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            failed.set_exception(OSError("disk full"))
+            first = sink.add("r1", '{"id": "r1"}', after=[failed])
+            await asyncio.gather(first, return_exceptions=True)
+            second = sink.add("r2", '{"id": "r2"}')
+            await asyncio.gather(second, return_exceptions=True)
+        return first.exception(), second.exception()
+
+    first, second = asyncio.run(scenario())
+    assert isinstance(first, OSError)
+    assert second is first
+    assert output.read_text() == ""
+    assert ledger.done_records("chat", HASH) == {}
 
 
 def test_the_file_and_the_ledger_are_made_to_agree(tmp_path: Path, ledger: Ledger) -> None:

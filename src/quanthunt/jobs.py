@@ -10,7 +10,7 @@ import hashlib
 import json
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,12 +104,6 @@ def params_hash(model: str, sampling: Mapping[str, Any], reasoning: str = "none"
 def dataset_params_hash(params: Params) -> str:
     """``params_hash`` of what ``params.yaml`` sets: it keys the ledger and the working file."""
     return params_hash(params.survey.model, params.generate.sampling.model_dump(mode="json"), params.reasoning.mode)
-
-
-def estimate_prompt_tokens(messages: Iterable[Mapping[str, str]]) -> int:
-    """An upper estimate of a prompt's tokens without the provider's tokenizer: one token
-    per 2 characters of UTF-8 (real BPE averages 3-4), plus 8 per message for the template."""
-    return sum(len(m["content"].encode()) // 2 + 8 for m in messages) + 8
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from quanthunt import __version__
+from quanthunt.errors import ConfigError
 from quanthunt.jobs import Eligible, Job
 from quanthunt.ledger import BILLING, Ledger, LedgerWriter
 from quanthunt.prompts import PromptRecord, skeleton
@@ -222,8 +223,6 @@ def prepare_output(path: Path, ledger: Ledger, dataset: str, params_hash: str) -
     dataset's lock): cut a half-written last line, adopt lines the ledger missed, write back
     done records the file lost. Refuses (``ConfigError``) to mix records made with other
     sampling params, or a file with an id twice."""
-    from quanthunt.errors import ConfigError
-
     path.parent.mkdir(parents=True, exist_ok=True)
     data = path.read_bytes() if path.exists() else b""
     truncated = 0
