@@ -6,28 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
+from fixtures.signals import deliver
 
 from quanthunt.interrupts import StopSignals
 
 HOUR = 3600.0
 """A grace no test waits for: the work is cut short only by a second signal."""
-
-
-async def deliver(sig: signal.Signals, signals: StopSignals) -> None:
-    """Send ``sig`` to this process and let the loop run its handler."""
-    seen = len(signals.received)
-    os.kill(os.getpid(), sig)
-    for _ in range(1000):  # the loop reads the signal from its wakeup pipe within a few turns
-        if len(signals.received) > seen:
-            return
-        await asyncio.sleep(0)
-    pytest.fail(f"{sig.name} was not handled")
 
 
 class Work:

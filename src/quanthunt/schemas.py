@@ -15,7 +15,7 @@ import pandera.pandas as pa
 
 from quanthunt.spec import QUANTIZATIONS
 
-SHA256 = r"^[0-9a-f]{64}$"
+SHA256 = r"^[0-9a-f]{64}\Z"  # \Z: ``$`` would also match before a trailing newline
 VERDICTS = ("equivalent", "different", "inconclusive")
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter", "eos", "error")
 
@@ -62,7 +62,7 @@ providers_table = pa.DataFrameSchema(
         "context_length": pa.Column(int, pa.Check.gt(0)),
         "supports_logprobs": pa.Column(bool),
         "decision": pa.Column(str, pa.Check.isin(("candidate", "excluded"))),
-        "reason": pa.Column(str, pa.Check.str_matches(r"^(candidate|excluded: .+)$")),
+        "reason": pa.Column(str, pa.Check.str_matches(r"^(candidate|excluded: .+)\Z")),
     },
     name="providers_table",
     strict=False,
