@@ -287,7 +287,7 @@ def test_a_second_signal_cuts_the_requests_in_flight_off_as_possibly_billed(engi
 
 
 def test_a_key_out_of_credit_says_top_up_then_resume(engine: Engine) -> None:
-    engine.stop("the gateway refused for lack of money (openrouter_credits)", fatal=StopRun("", EXIT_OUT_OF_BUDGET))
+    engine.stop("the gateway refused for lack of money (openrouter_credits)", fatal=StopRun("", EXIT_OUT_OF_BUDGET, top_up=True))
     stopped = failure(engine)
     assert stopped.exit_code == EXIT_OUT_OF_BUDGET
     assert str(stopped) == (f"stopped: the gateway refused for lack of money (openrouter_credits). {SO_FAR}; top up the key, "

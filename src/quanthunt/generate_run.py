@@ -321,7 +321,7 @@ def run_failure(job: Job, engine: Engine, signals: StopSignals, *, resume: str) 
         return StopRun(f"{signals.reason}: {so_far}; {cut}resume with `{resume}` ({kept})", EXIT_INTERRUPTED)
     fatal = engine.fatal
     if fatal is not None:
-        if fatal.exit_code == EXIT_OUT_OF_BUDGET and not str(fatal):  # out of money: the stop reason says why
+        if fatal.top_up:  # out of money: the stop reason says why
             return StopRun(f"stopped: {progress.stop_reason}. {so_far}; top up the key, then resume with `{resume}` ({kept})",
                            EXIT_OUT_OF_BUDGET)  # fmt: skip
         return StopRun(f"stopped: {fatal}. {so_far}; resume with `{resume}` once that is fixed", fatal.exit_code)

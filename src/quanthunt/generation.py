@@ -66,12 +66,14 @@ OUT_OF_MONEY = {"openrouter_credits", "openrouter_key_limit"}
 
 
 class StopRun(QuanthuntError):
-    """The run stopped before finishing: ``exit_code`` 75 when money ran out (resumable),
-    2 when the configuration cannot work (bad key, no endpoint)."""
+    """The run stopped before finishing: ``exit_code`` 75 when it may resume later (money
+    ran out: ``top_up``; or every provider was stopped), 2 when the configuration cannot
+    work (bad key, no endpoint)."""
 
-    def __init__(self, message: str, exit_code: int) -> None:
+    def __init__(self, message: str, exit_code: int, *, top_up: bool = False) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+        self.top_up = top_up
 
 
 class ChatClient(Protocol):
@@ -419,7 +421,7 @@ class Engine:
             )
         )
         if kind in OUT_OF_MONEY:
-            self.stop(f"the gateway refused for lack of money ({kind})", fatal=StopRun("", EXIT_OUT_OF_BUDGET))
+            self.stop(f"the gateway refused for lack of money ({kind})", fatal=StopRun("", EXIT_OUT_OF_BUDGET, top_up=True))
             return "stop"
         if kind in STOPPING:
             hint = STOPPING[kind] or "no eligible endpoint serves these requests (provider filters left nothing)"

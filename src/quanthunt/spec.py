@@ -1,6 +1,7 @@
 """Facts from OpenRouter's published OpenAPI spec that both the client and the sandbox
 honour (the contract tests check them against the schemas in ``tests/contracts``), and
-:func:`check_price`, the check both apply to a published price."""
+the checks both apply: :func:`check_quantization` (the ``Quantization`` field type) and
+:func:`check_price`."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ process that a stage or a test starts on a free loopback port and stops afterwar
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import selectors
@@ -38,7 +39,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class ChildServer:
+class ChildServer(abc.ABC):
     """A server run in a child process, with its log: ``stop`` (or leaving ``with``) sends
     SIGTERM (to its whole process group with ``group``), SIGKILL after ``grace_s``, reaps
     it and closes the log. Subclasses set ``_proc`` and ``_log`` in ``start``."""
@@ -48,8 +49,9 @@ class ChildServer:
     _proc: subprocess.Popen[Any] | None = None
     _log: IO[Any] | None = None
 
+    @abc.abstractmethod
     def start(self) -> Self:
-        raise NotImplementedError
+        """Start the child and return once it serves."""
 
     def stop(self) -> None:
         proc = self._proc
