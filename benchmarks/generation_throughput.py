@@ -113,7 +113,8 @@ async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: floa
     from quanthunt.gateway import ApiKey, Routing
     from quanthunt.generation import Engine
     from quanthunt.jobs import Eligible, Job
-    from quanthunt.ledger import Ledger, LedgerWriter
+    from quanthunt.ledger import LedgerWriter
+    from quanthunt.ledger_sqlite import SqliteLedger
     from quanthunt.params import Retry, Sampling
     from quanthunt.records import RecordSink
 
@@ -122,10 +123,10 @@ async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: floa
     from quanthunt.prompts import PromptRecord, Turn
 
     work = Path(tempfile.mkdtemp(prefix="qh-bench-"))
-    ledger = Ledger(work / "ledger.sqlite")
+    ledger = SqliteLedger(work / "ledger.sqlite")
     writer = LedgerWriter(ledger)
     writer.start()
-    sink = RecordSink(work / "out.jsonl", ledger, writer, "bench", "p" * 64)
+    sink = RecordSink(work / "out.jsonl", writer, "bench", "p" * 64)
     sink.start()
     provider = Eligible("Moonshot AI", "moonshotai/int4", "int4", "equivalent", 6e-7, 2.5e-6, 8192)
     job = Job(dataset="bench", model=MODEL, sampling=sampling, providers=(provider,),

@@ -19,7 +19,8 @@ from fixtures.verdicts import provider_verdict, verdicts_of
 from quanthunt.errors import ConfigError
 from quanthunt.export import HEADLINE, check_dataset, failed, final_text, provenance_card, read_inputs, report, sha256_file
 from quanthunt.jobs import dataset_params_hash
-from quanthunt.ledger import Ledger, RequestKey
+from quanthunt.ledger import FinishAttempt, RequestKey, StartAttempt, WriteRecords
+from quanthunt.ledger_sqlite import SqliteLedger
 from quanthunt.params import Params, section_digest
 from quanthunt.templates import PromptCheck
 from quanthunt.tracking import stage_run
@@ -65,14 +66,13 @@ def generated(root: Path, records: list[dict[str, Any]], *, params_hash: str = H
                        (files.generated, "".join(line + "\n" for line in lines))):  # fmt: skip
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    ledger = Ledger(root / PATHS.ledger)
-    with ledger.transaction():
-        for r in records:
-            key = RequestKey("chat", r["id"], 0, params_hash)
-            attempt = ledger.op_start(key, run_id="generate-run", reserved_usd=0.1)
-            ledger.op_finish(key, attempt, state="done", outcome="ok", cost_usd=COST)
-        ledger.op_records("chat", params_hash, [(r["id"], line, hashlib.sha256(line.encode()).hexdigest())
-                                                for r, line in zip(records, lines, strict=True)])  # fmt: skip
+    ledger = SqliteLedger(root / "state/ledger.sqlite")
+    for r in records:
+        key = RequestKey("chat", r["id"], 0, params_hash)
+        attempt = ledger.write(StartAttempt(key, run_id="generate-run", reserved_usd=0.1))
+        ledger.write(FinishAttempt(key, attempt, state="done", outcome="ok", cost_usd=COST))
+    ledger.write(WriteRecords("chat", params_hash, [(r["id"], line, hashlib.sha256(line.encode()).hexdigest())
+                                                    for r, line in zip(records, lines, strict=True)]))  # fmt: skip
     ledger.close()
     return lines
 
@@ -139,13 +139,13 @@ def test_verdicts_that_make_a_different_endpoint_eligible_are_refused_naming_the
 
 
 def test_a_damaged_ledger_record_is_refused_naming_the_ledger(root: Path) -> None:
-    ledger = Ledger(root / PATHS.ledger)
+    ledger = SqliteLedger(root / "state/ledger.sqlite")
     ledger.db.execute("UPDATE records SET line_sha256='not a digest' WHERE record_id='r2'")
     ledger.close()
     with pytest.raises(ConfigError) as info:
         read_inputs(PARAMS, root, "chat")
     message = str(info.value)
-    assert message.startswith(f"{root / PATHS.ledger}: ") and "line_sha256" in message and "r2" in message, message
+    assert message.startswith(f"{root / 'state/ledger.sqlite'}: ") and "line_sha256" in message and "r2" in message, message
 
 
 # -- checking and reporting --------------------------------------------------------------

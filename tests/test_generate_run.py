@@ -38,7 +38,7 @@ from quanthunt.generate_run import (
 from quanthunt.generation import Engine, StopRun
 from quanthunt.interrupts import StopSignals
 from quanthunt.jobs import Eligible, Job
-from quanthunt.ledger import Ledger
+from quanthunt.ledger_sqlite import SqliteLedger
 from quanthunt.replies import ChatReply
 from quanthunt.survey import ProviderRow, providers_csv
 from quanthunt.verdicts import Verdict, Verdicts
@@ -164,7 +164,7 @@ class NoChat:
 @pytest.fixture
 def engine(tmp_path: Path) -> Engine:
     """A run of 10 records of ``chat``: 3 done by earlier runs, 4 now, 1 failed; $0.1234 settled."""
-    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite")
 
     async def made() -> Engine:
         async with writing(ledger, tmp_path / "out.jsonl", JOB.params_hash) as (writer, sink):

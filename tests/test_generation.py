@@ -22,7 +22,8 @@ from fixtures.records import writing
 from quanthunt.gateway import Routing
 from quanthunt.generation import Engine, quiet_collector
 from quanthunt.jobs import Eligible, Job
-from quanthunt.ledger import Ledger, RequestKey
+from quanthunt.ledger import FinishAttempt, Ledger, RequestKey, StartAttempt
+from quanthunt.ledger_sqlite import SqliteLedger
 from quanthunt.params import Retry, Sampling
 from quanthunt.prompts import PromptRecord, Turn
 from quanthunt.replies import ChatReply, Usage
@@ -125,7 +126,7 @@ def run_engine(
 
 
 def test_engine_stops_and_raises_when_the_output_cannot_be_written(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite")
     output = tmp_path / "out.jsonl"
 
     async def scenario() -> Engine:
@@ -144,10 +145,12 @@ def test_engine_stops_and_raises_when_the_output_cannot_be_written(tmp_path: Pat
 
 
 def test_a_records_cost_counts_attempts_of_earlier_runs(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    with ledger.transaction():  # an earlier run paid for an attempt of r1 whose reply was lost
-        attempt = ledger.op_start(RequestKey("chat", "r1", 0, HASH), run_id="earlier", reserved_usd=0.1)
-        ledger.op_finish(RequestKey("chat", "r1", 0, HASH), attempt, state="pending", outcome="failed_billed", cost_usd=0.04)
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite")
+    # an earlier run paid for an attempt of r1 whose reply was lost
+    attempt = ledger.write(StartAttempt(RequestKey("chat", "r1", 0, HASH), run_id="earlier", reserved_usd=0.1))
+    ledger.write(
+        FinishAttempt(RequestKey("chat", "r1", 0, HASH), attempt, state="pending", outcome="failed_billed", cost_usd=0.04)
+    )
     ran = run_engine(tmp_path, FixedCostChat(0.01), records("r1", "r2"), ledger)
     engine, output = ran.engine, ran.output
     costs = {r["id"]: r["provenance"]["usage"]["cost_usd"] for r in map(json.loads, output.read_text().splitlines())}
@@ -159,14 +162,13 @@ def test_a_records_cost_counts_attempts_of_earlier_runs(tmp_path: Path) -> None:
 
 
 def test_a_resumed_record_asks_only_for_the_turns_an_earlier_run_did_not_finish(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite")
     first = RequestKey("chat", "m1", 0, HASH)
     earlier = {"content": "earlier answer", "reasoning": None, "provider": PROVIDER.name, "endpoint_tag": PROVIDER.tag,
                "generation_id": "gen-old",
                "finish_reason": "stop", "prompt_tokens": 4, "completion_tokens": 2, "cost_usd": 0.02, "attempts": 1}  # fmt: skip
-    with ledger.transaction():
-        attempt = ledger.op_start(first, run_id="earlier", reserved_usd=0.1)
-        ledger.op_finish(first, attempt, state="done", outcome="ok", cost_usd=0.02, reply=earlier)
+    attempt = ledger.write(StartAttempt(first, run_id="earlier", reserved_usd=0.1))
+    ledger.write(FinishAttempt(first, attempt, state="done", outcome="ok", cost_usd=0.02, reply=earlier))
     conversation = (Turn("user", "part one?"), Turn("assistant", "old"), Turn("user", "part two?"))
     chat = FixedCostChat(0.01)
     ran = run_engine(tmp_path, chat, [PromptRecord("m1", conversation)], ledger)
@@ -191,7 +193,7 @@ def test_quiet_collector_restores_the_collector_afterwards() -> None:
 
 def test_the_ramp_spreads_the_first_wave_over_ramp_up_s(tmp_path: Path) -> None:
     chat = SlowChat(hold_s=0.5)
-    ran = run_engine(tmp_path, chat, records("a", "b", "c", "d"), Ledger(tmp_path / "ledger.sqlite"),
+    ran = run_engine(tmp_path, chat, records("a", "b", "c", "d"), SqliteLedger(tmp_path / "ledger.sqlite"),
                      job(concurrency=4, ramp_up_s=0.4))  # fmt: skip
     assert ran.engine.progress.records_done == 4
     # Worker k starts k x 0.1 s in (never earlier; load only delays it), and each sends
@@ -204,7 +206,7 @@ def test_the_ramp_spreads_the_first_wave_over_ramp_up_s(tmp_path: Path) -> None:
 def test_a_stop_during_the_ramp_ends_the_run_without_waiting_it_out(tmp_path: Path) -> None:
     # A cap below one request's worst case: the first worker stops the run at once; the
     # other workers would otherwise sleep through up to 45 s of a 60 s ramp.
-    ran = run_engine(tmp_path, FixedCostChat(0.01), records("a", "b", "c", "d"), Ledger(tmp_path / "ledger.sqlite"),
+    ran = run_engine(tmp_path, FixedCostChat(0.01), records("a", "b", "c", "d"), SqliteLedger(tmp_path / "ledger.sqlite"),
                      job(concurrency=4, ramp_up_s=60, max_usd=1e-9))  # fmt: skip
     assert ran.engine.progress.stop_reason is not None and "spending cap" in ran.engine.progress.stop_reason
     assert ran.took_s < 10
@@ -216,7 +218,7 @@ def test_each_turn_names_the_endpoint_of_its_provider_that_served_it(tmp_path: P
     turbo = Eligible("DeepInfra", "deepinfra/turbo", "fp8", "equivalent", 1e-6, 2e-6, 8192, siblings=("deepinfra",))
     chat = PinnedChat({"deepinfra": "DeepInfra", "deepinfra/turbo": "DeepInfra"})
     ids = [f"r{i}" for i in range(30)]
-    ran = run_engine(tmp_path, chat, records(*ids), Ledger(tmp_path / "ledger.sqlite"), job(providers=(base, turbo)))
+    ran = run_engine(tmp_path, chat, records(*ids), SqliteLedger(tmp_path / "ledger.sqlite"), job(providers=(base, turbo)))
     written = lines(ran.output)
     assert {r["id"] for r in written} == set(ids)
     for record in written:
@@ -236,7 +238,7 @@ def test_a_reply_by_slug_is_kept_and_another_provider_retires_the_endpoint(tmp_p
     fireworks = Eligible("Fireworks", "fireworks/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)
     chat = PinnedChat({PROVIDER.tag: "moonshotai", fireworks.tag: "Chutes"})  # Moonshot AI by its slug; "Fireworks" is not
     ids = [f"r{i}" for i in range(12)]
-    ran = run_engine(tmp_path, chat, records(*ids), Ledger(tmp_path / "ledger.sqlite"),
+    ran = run_engine(tmp_path, chat, records(*ids), SqliteLedger(tmp_path / "ledger.sqlite"),
                      job(concurrency=1, providers=(PROVIDER, fireworks)))  # fmt: skip
     progress = ran.engine.progress
     assert {r["id"] for r in lines(ran.output)} == set(ids)
@@ -246,7 +248,7 @@ def test_a_reply_by_slug_is_kept_and_another_provider_retires_the_endpoint(tmp_p
 
     everyone_wrong = PinnedChat({PROVIDER.tag: "Chutes", fireworks.tag: "Chutes"})
     (tmp_path / "b").mkdir()
-    stopped = run_engine(tmp_path / "b", everyone_wrong, records(*ids), Ledger(tmp_path / "b.sqlite"),
+    stopped = run_engine(tmp_path / "b", everyone_wrong, records(*ids), SqliteLedger(tmp_path / "b.sqlite"),
                          job(concurrency=1, providers=(PROVIDER, fireworks)))  # fmt: skip
     assert everyone_wrong.calls == 2 and not stopped.output.read_text()
     assert stopped.engine.fatal is not None and stopped.engine.fatal.exit_code == 2
@@ -254,7 +256,7 @@ def test_a_reply_by_slug_is_kept_and_another_provider_retires_the_endpoint(tmp_p
 
 
 def test_an_empty_answer_is_paid_for_asked_again_and_never_written(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite")
     chat = PinnedChat({PROVIDER.tag: PROVIDER.name}, empty=1)
     ran = run_engine(tmp_path, chat, records("r1"), ledger)
     (line,) = lines(ran.output)
@@ -271,6 +273,6 @@ def test_an_empty_answer_is_asked_again_with_the_larger_budget_the_params_allow(
     is asked again with room for an answer, and its worst case is reserved for it."""
     chat = PinnedChat({PROVIDER.tag: PROVIDER.name}, empty=1)
     larger = dataclasses.replace(job(), retry=changed(RETRY, max_attempts=3, empty_answer_max_tokens=64))
-    ran = run_engine(tmp_path, chat, records("r1"), Ledger(tmp_path / "ledger.sqlite"), larger)
+    ran = run_engine(tmp_path, chat, records("r1"), SqliteLedger(tmp_path / "ledger.sqlite"), larger)
     assert [b["max_tokens"] for b in chat.bodies] == [16, 64]
     assert lines(ran.output)[0]["conversations"][1]["content"] == "answer 2"

@@ -19,7 +19,8 @@ from test_generation import HASH, PinnedChat, job, lines, records
 from quanthunt.errors import EXIT_OUT_OF_BUDGET
 from quanthunt.generation import Engine
 from quanthunt.jobs import Eligible
-from quanthunt.ledger import Ledger
+from quanthunt.ledger import Ledger, SaveMonitor
+from quanthunt.ledger_sqlite import SqliteLedger
 from quanthunt.measurements import LogprobCompletion
 from quanthunt.monitor import ProviderMonitor
 from quanthunt.monitoring import Monitoring, monitor_card
@@ -72,7 +73,7 @@ class StubScorer:
 
 
 def run_monitored(tmp_path: Path, providers: tuple[Eligible, ...], count: int) -> tuple[Engine, DriftingChat, Ledger]:
-    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite")
     chat = DriftingChat()
     settings = changed(SHIPPED.generate.monitor, share=1.0, checkpoint_every=4, concurrency=2)
     monitors = {p.tag: ProviderMonitor.start(p.tag, "logprob", sampler=False, margin=SHIPPED.verify.margin, alpha=0.05 / 2,
@@ -80,7 +81,7 @@ def run_monitored(tmp_path: Path, providers: tuple[Eligible, ...], count: int) -
 
     async def scenario() -> Engine:
         async with writing(ledger, tmp_path / "out.jsonl", HASH) as (writer, sink):
-            monitoring = Monitoring(monitors, StubScorer(), ledger, writer, verification_run_id="v", dataset="chat",  # type: ignore[arg-type]
+            monitoring = Monitoring(monitors, StubScorer(), writer, verification_run_id="v", dataset="chat",  # type: ignore[arg-type]
                                     settings=settings)  # fmt: skip
             engine = Engine(job(2, providers=providers), chat, ledger, writer, sink, done_turns={}, monitoring=monitoring)
             await engine.run(records(*(f"r{i:03d}" for i in range(count))))
@@ -121,9 +122,8 @@ def test_with_every_provider_stopped_the_run_ends_resumable(tmp_path: Path) -> N
 
 def test_a_monitor_whose_replies_were_never_scored_still_reports(tmp_path: Path) -> None:
     """A run killed while its only monitored replies were being scored saved just their count."""
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    with ledger.transaction():
-        ledger.op_monitor("v", "chat", "b/int4", served=3)
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite")
+    ledger.write(SaveMonitor("v", "chat", "b/int4", served=3))
     state = ledger.monitor_states("v")["chat", "b/int4"]
     card = monitor_card(state)
     assert card == {"replies": 3, "threshold": None, "e_path": [], "stopped": None}

@@ -222,8 +222,15 @@ def with_value(dotted: str, value: Any) -> dict[str, Any]:
         ("verify.decision.correction", "bonferroni"),
         ("verify.decision.correction", "HOLM"),
         ("verify.decision.correction", None),
-        ("paths.ledger", ""),
-        ("paths.ledger", "state/\x00ledger.sqlite"),
+        ("paths.locks", ""),
+        ("paths.locks", "state/\x00locks"),
+        ("ledger.url", ""),
+        ("ledger.url", "state/ledger.sqlite"),
+        ("ledger.url", "sqlite://"),
+        ("ledger.url", "sqlite:///"),
+        ("ledger.url", "sqlite:///state/\x00ledger.sqlite"),
+        ("ledger.url", "mysql://db/ledger"),
+        ("ledger.url", "postgresql://quanthunt:hunter2@db/ledger"),
         ("sandbox.roster", "roster\x00.yaml"),
     ],
 )
@@ -273,3 +280,11 @@ def test_loopback_http_and_https_base_urls_are_accepted(field: str, url: str) ->
     assert params is not None
     section = params.api if field == "api.base_url" else params.reference
     assert section.base_url == (url if url == "sandbox" else url.rstrip("/"))
+
+
+def test_a_ledger_password_in_params_is_refused_without_repeating_it() -> None:
+    data = with_value("ledger.url", "postgresql://quanthunt:hunter2@db.internal:5432/ledger")
+    with pytest.raises(ConfigError) as info:
+        parse_params(data, source="params.yaml")
+    message = assert_config_error(info.value, "params.yaml")
+    assert "QUANTHUNT_LEDGER_URL" in message and "hunter2" not in message, message

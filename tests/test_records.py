@@ -18,7 +18,8 @@ from fixtures.records import writing
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import Routing
 from quanthunt.jobs import Eligible, Job
-from quanthunt.ledger import Ledger
+from quanthunt.ledger import Ledger, WriteRecords
+from quanthunt.ledger_sqlite import SqliteLedger
 from quanthunt.params import Retry, Sampling
 from quanthunt.prompts import PromptRecord, Turn
 from quanthunt.records import adopt_published, prepare_output, publish, record_line, sha256_line
@@ -90,7 +91,7 @@ def generated(record_id: str, params_hash: str = HASH) -> str:
 
 @pytest.fixture
 def ledger(tmp_path: Path) -> Ledger:
-    return Ledger(tmp_path / "ledger.sqlite")
+    return SqliteLedger(tmp_path / "ledger.sqlite")
 
 
 def test_a_line_waits_for_the_ledger_write_of_its_turns(tmp_path: Path, ledger: Ledger) -> None:
@@ -137,8 +138,7 @@ def test_a_failed_ledger_write_keeps_the_line_out_and_fails_later_records_too(tm
 def test_the_file_and_the_ledger_are_made_to_agree(tmp_path: Path, ledger: Ledger) -> None:
     out = tmp_path / "chat.jsonl"
     lost, edited = generated("lost"), generated("edited")
-    with ledger.transaction():
-        ledger.op_records("chat", HASH, [("lost", lost, sha256_line(lost)), ("edited", edited, sha256_line(edited))])
+    ledger.write(WriteRecords("chat", HASH, [("lost", lost, sha256_line(lost)), ("edited", edited, sha256_line(edited))]))
     out.write_text(generated("adopted") + "\n" + generated("edited").replace("}}", ', "x": 1}}') + "\n" + '{"id": "half')
     repair = prepare_output(out, ledger, "chat", HASH)
     assert repair.truncated_bytes == len('{"id": "half')

@@ -22,7 +22,7 @@ import orjson
 from quanthunt import schemas
 from quanthunt.errors import ConfigError, QuanthuntError
 from quanthunt.jobs import dataset_params_hash
-from quanthunt.ledger import Ledger
+from quanthunt.ledger import open_ledger
 from quanthunt.monitoring import UNLOGGED, monitor_card, suspect_checkpoints
 from quanthunt.params import DatasetFiles, Params, section_digest
 from quanthunt.templates import PromptCheck
@@ -70,7 +70,7 @@ def read_inputs(params: Params, root: Path, dataset: str) -> Inputs:
     if failures := schemas.failures(schemas.verdicts_table, table, id_column="provider"):
         raise ConfigError(f"{root / paths.verdicts}: {failures[0].line()}")
     hashed = dataset_params_hash(params)
-    ledger = Ledger(root / paths.ledger)
+    ledger = open_ledger(params.ledger.url, root)
     try:
         recorded = ledger.done_records(dataset, hashed)
         costs = ledger.record_costs(dataset, hashed)
@@ -82,7 +82,7 @@ def read_inputs(params: Params, root: Path, dataset: str) -> Inputs:
         ["record_id", "cost_usd", "line_sha256"],
     )
     if failures := schemas.failures(schemas.ledger_export, export, id_column="record_id"):
-        raise ConfigError(f"{root / paths.ledger}: {failures[0].line()}")
+        raise ConfigError(f"{ledger.where}: {failures[0].line()}")
     return Inputs(
         dataset=dataset,
         files=files,

@@ -25,7 +25,7 @@ from quanthunt.gateway import Gateway, GatewayError, Routing, resolve_api_key
 from quanthunt.generation import Engine, StopRun, reconcile_earlier
 from quanthunt.interrupts import StopSignals
 from quanthunt.jobs import Eligible, Job, Progress, dataset_params_hash
-from quanthunt.ledger import Ledger, LedgerWriter
+from quanthunt.ledger import LedgerWriter, open_ledger
 from quanthunt.monitoring import LOGPROB_TOP, UNLOGGED, Monitoring, check_reference, monitors_for, stopped_providers
 from quanthunt.params import Params
 from quanthunt.prompts import PromptRecord, iter_prompts
@@ -112,7 +112,7 @@ async def run(
     params: Params, root: Path, dataset: str, targets: Targets, console: Console, *, total: int
 ) -> tuple[Job, Engine, StopSignals, dict[str, int]]:
     paths, g = params.paths, params.generate
-    ledger = Ledger(root / paths.ledger)
+    ledger = open_ledger(params.ledger.url, root)
     providers, verdicts = eligible_providers(params, root)
     stopped = stopped_providers(ledger, verdicts)
     for tag, where in stopped.items():
@@ -162,7 +162,7 @@ async def run(
         )
     writer = LedgerWriter(ledger)
     writer.start()
-    sink = RecordSink(output, ledger, writer, dataset, params_hash)
+    sink = RecordSink(output, writer, dataset, params_hash)
     sink.start()
     api_key = resolve_api_key(targets.api_url)
     try:
@@ -177,7 +177,7 @@ async def run(
                 await check_reference(reference, verdicts, targets.reference_url)
                 scorer = Scorer(reference, params.reasoning, top_logprobs=LOGPROB_TOP, attempts=params.verify.max_attempts)
                 monitoring = Monitoring(
-                    monitors, scorer, ledger, writer, verification_run_id=verdicts.verification_run_id or UNLOGGED,
+                    monitors, scorer, writer, verification_run_id=verdicts.verification_run_id or UNLOGGED,
                     dataset=dataset, settings=g.monitor, say=lambda line: console.print(f"[red]{line}[/]"),
                 )  # fmt: skip
             for tag in sorted(t for t, m in monitors.items() if not m.monitored):

@@ -51,7 +51,7 @@ from quanthunt.defaults import GATEWAY_LIMITS, GATEWAY_UNREACHABLE_S
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
 from quanthunt.gateway import TRANSIENT, GatewayError, chat_body, same_provider
 from quanthunt.jobs import Eligible, Job, Progress
-from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
+from quanthunt.ledger import FinishAttempt, Ledger, LedgerWriter, RequestKey, StartAttempt
 from quanthunt.monitoring import LOGPROB_TOP, Event, Monitoring
 from quanthunt.prompts import PromptRecord, next_request, skeleton
 from quanthunt.records import RecordSink, record_line
@@ -307,7 +307,7 @@ class Engine:
         if not future.cancelled() and (error := future.exception()) is not None:
             if self._write_error is None:
                 self._write_error = error
-            self.stop(f"writing the ledger {self.ledger.path} failed: {error}")
+            self.stop(f"writing the ledger {self.ledger.where} failed: {error}")
 
     def _line(self, record: PromptRecord, replies: list[dict[str, Any]], started: float) -> str:
         return record_line(
@@ -346,9 +346,7 @@ class Engine:
             if not self.budget.reserve(worst):
                 self.stop(f"the run's spending cap (generate.max_usd_per_run ${job.max_usd:g}) would be exceeded")
                 return None
-            attempt_id: int = await self.writer.write(
-                functools.partial(self.ledger.op_start, key, run_id=job.run_id, reserved_usd=worst)
-            )
+            attempt_id: int = await self.writer.write(StartAttempt(key, run_id=job.run_id, reserved_usd=worst))
             self.progress.in_flight += 1
 
             def note(generation_id: str, attempt_id: int = attempt_id) -> None:
@@ -408,7 +406,7 @@ class Engine:
         retry = kind in RETRYABLE
         state = "unknown_outcome" if possibly_billed else ("pending" if retry else "failed")
         await self.writer.write(
-            lambda: self.ledger.op_finish(
+            FinishAttempt(
                 key,
                 attempt_id,
                 state=state,
@@ -459,14 +457,14 @@ class Engine:
         prompt_tokens = usage.prompt_tokens if usage else 0
         completion_tokens = usage.completion_tokens if usage else 0
         finish = functools.partial(
-            self.ledger.op_finish, key, attempt_id, cost_usd=cost, provider=endpoint.tag, generation_id=reply.generation_id,
+            FinishAttempt, key, attempt_id, cost_usd=cost, provider=endpoint.tag, generation_id=reply.generation_id,
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
         )  # fmt: skip
         if not same_provider(reply.provider, endpoint.name, endpoint.tag):
             named = reply.provider or "no provider"
             self.progress.quarantined += 1
             self.progress.errors["quarantined"] += 1
-            await self.writer.write(lambda: finish(
+            await self.writer.write(finish(
                 state="quarantined", outcome="quarantined", error_kind="quarantined",
                 error=f"pinned to {endpoint.tag} ({endpoint.name}), the reply named {named}",
             ))  # fmt: skip
@@ -475,7 +473,7 @@ class Engine:
         if not reply.content.strip():  # a reasoning model's thinking ate max_tokens, or nothing at all
             self.progress.errors["empty_answer"] += 1
             self.progress.retries["empty_answer"] += 1
-            await self.writer.write(lambda: finish(
+            await self.writer.write(finish(
                 state="pending", outcome="failed_billed", error_kind="empty_answer",
                 error=f"no answer (finish_reason {reply.finish_reason}, {completion_tokens} completion tokens)",
             ))  # fmt: skip
@@ -495,7 +493,7 @@ class Engine:
         if monitored is not None and self.monitoring is not None:
             self.monitoring.served(endpoint.tag, key, monitored, reply)
         # Not awaited: the worker goes on while it commits; the record's line waits for it.
-        committed = self.writer.submit(lambda: finish(state="done", outcome="ok", reply=result))
+        committed = self.writer.submit(finish(state="done", outcome="ok", reply=result))
         committed.add_done_callback(self._committed)
         committing.append(committed)
         self.progress.requests_ok += 1

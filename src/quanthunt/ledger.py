@@ -1,32 +1,41 @@
 """The request ledger: a crash-safe record of every request generation sends and what
-it cost, in SQLite (WAL). One row per request key (dataset, record, turn, params hash),
-one row per HTTP attempt (append-only history), one row per finished record with the
-sha256 of its output line (tamper evidence).
+it cost. One row per request key (dataset, record, turn, params hash), one row per HTTP
+attempt (append-only history), one row per finished record with the sha256 of its output
+line (tamper evidence), and the generate stage's monitors.
 
-Writes are grouped: ``LedgerWriter`` runs queued operations in one transaction every few
-milliseconds (about 8 µs of CPU per row instead of ~90 µs for a commit each), and a
-caller that needs durability (e.g. "in flight" must be on disk before the request is
-sent) awaits the commit of its operation.
+One interface, two backends, chosen by URL (``open_ledger``): SQLite (WAL) in a local
+file, the default (``quanthunt.ledger_sqlite``), and PostgreSQL, which many hosts can
+share (``quanthunt.ledger_postgres``). Writes are operations (``StartAttempt``,
+``FinishAttempt``, ``WriteRecords``, ``SaveMonitor``, ``NoteGenerationIds``) that a
+backend applies in one transaction per batch (``Ledger.commit``).
 
-Schema changes are numbered migrations recorded in ``schema_migrations``.
+Writes are grouped: ``LedgerWriter`` commits the queued operations in one transaction
+every few milliseconds (on SQLite about 8 µs of CPU per row instead of ~90 µs for a
+commit each), and a caller that needs durability (e.g. "in flight" must be stored before
+the request is sent) awaits the commit of its operation.
+
+Schema changes are named migrations, each backend's own, recorded in ``schema_migrations``.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import json
-import sqlite3
+import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
 from quanthunt.errors import ConfigError
+from quanthunt.urls import check_ledger_url
 
 STATES = ("pending", "in_flight", "done", "failed", "unknown_outcome", "quarantined")
 """Request states. ``unknown_outcome``: in flight when a run died, or its reply was lost
@@ -38,6 +47,9 @@ OUTCOMES = ("ok", "failed_unbilled", "failed_billed", "unknown", "quarantined", 
 BILLING = ("billed", "possibly_billed", "unbilled")
 """What an attempt cost, as provenance counts it (``billing_of``)."""
 
+URL_VARIABLE = "QUANTHUNT_LEDGER_URL"
+"""The ledger's URL when set, before ``ledger.url`` in params: where a password may go."""
+
 
 def billing_of(outcome: str, cost_usd: float) -> str:
     """``unknown``: the gateway may have charged it; a reconciled attempt is billed when the
@@ -47,85 +59,6 @@ def billing_of(outcome: str, cost_usd: float) -> str:
     if outcome == "failed_unbilled" or (outcome == "reconciled" and not cost_usd):
         return "unbilled"
     return "billed"
-
-
-MIGRATIONS: tuple[str, ...] = (
-    """
-    CREATE TABLE requests (
-        dataset TEXT NOT NULL,
-        record_id TEXT NOT NULL,
-        turn INTEGER NOT NULL,
-        params_hash TEXT NOT NULL,
-        state TEXT NOT NULL CHECK (state IN ('pending','in_flight','done','failed','unknown_outcome','quarantined')),
-        attempts INTEGER NOT NULL DEFAULT 0,
-        reserved_usd REAL NOT NULL DEFAULT 0,
-        settled_usd REAL NOT NULL DEFAULT 0,
-        provider TEXT,
-        generation_id TEXT,
-        prompt_tokens INTEGER,
-        completion_tokens INTEGER,
-        reply TEXT,
-        last_error TEXT,
-        created_at REAL NOT NULL,
-        updated_at REAL NOT NULL,
-        PRIMARY KEY (dataset, record_id, turn, params_hash)
-    );
-    CREATE TABLE attempts (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        dataset TEXT NOT NULL,
-        record_id TEXT NOT NULL,
-        turn INTEGER NOT NULL,
-        params_hash TEXT NOT NULL,
-        attempt INTEGER NOT NULL,
-        run_id TEXT NOT NULL,
-        started_at REAL NOT NULL,
-        finished_at REAL,
-        outcome TEXT CHECK (outcome IS NULL OR outcome IN
-            ('ok','failed_unbilled','failed_billed','unknown','quarantined','reconciled')),
-        http_status INTEGER,
-        error_kind TEXT,
-        provider TEXT,
-        generation_id TEXT,
-        reserved_usd REAL NOT NULL,
-        cost_usd REAL NOT NULL DEFAULT 0,
-        prompt_tokens INTEGER,
-        completion_tokens INTEGER
-    );
-    CREATE INDEX attempts_by_key ON attempts (dataset, record_id, turn, params_hash);
-    CREATE INDEX attempts_by_run ON attempts (run_id);
-    CREATE TABLE records (
-        dataset TEXT NOT NULL,
-        record_id TEXT NOT NULL,
-        params_hash TEXT NOT NULL,
-        line_sha256 TEXT NOT NULL,
-        line TEXT NOT NULL,
-        written_at REAL NOT NULL,
-        PRIMARY KEY (dataset, record_id, params_hash)
-    );
-    """,
-    """
-    CREATE TABLE monitors (
-        verification_run_id TEXT NOT NULL,
-        dataset TEXT NOT NULL,
-        tag TEXT NOT NULL,
-        served INTEGER NOT NULL,
-        state TEXT NOT NULL,
-        stopped INTEGER NOT NULL DEFAULT 0,
-        updated_at REAL NOT NULL,
-        PRIMARY KEY (verification_run_id, dataset, tag)
-    );
-    CREATE TABLE monitor_path (
-        verification_run_id TEXT NOT NULL,
-        dataset TEXT NOT NULL,
-        tag TEXT NOT NULL,
-        idx INTEGER NOT NULL,
-        e_value REAL NOT NULL,
-        PRIMARY KEY (verification_run_id, dataset, tag, idx)
-    );
-    """,
-)
-"""Numbered migrations: 1 the request ledger, 2 the generate stage's monitors (one
-provider's monitor state per verification and dataset, see ``quanthunt.monitor``)."""
 
 
 @dataclass(frozen=True)
@@ -150,162 +83,216 @@ class Spend:
     unknown_attempts: int
 
 
-class Ledger:
-    """The ledger file. Reads run directly; writes go through ``LedgerWriter`` (async)
-    or ``transaction()`` (sync, for recovery and tests)."""
+# -- write operations ----------------------------------------------------------------------
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")  # durable against process crashes; WAL keeps it consistent
-            self.db.execute("PRAGMA busy_timeout=10000")
-            self._migrate()
-        except sqlite3.DatabaseError as exc:
-            raise ConfigError(f"{path}: not a usable ledger database ({exc})") from None
 
-    def close(self) -> None:
-        self.db.close()
+@dataclass(frozen=True)
+class StartAttempt:
+    """The request is about to be sent: ``in_flight``, one more attempt. Its result is the
+    attempt's id."""
 
-    def _migrate(self) -> None:
-        self.db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
-        applied = {row[0] for row in self.db.execute("SELECT version FROM schema_migrations")}
-        for version, script in enumerate(MIGRATIONS, start=1):
-            if version in applied:
-                continue
-            with self.transaction():
-                for statement in filter(str.strip, script.split(";")):
-                    self.db.execute(statement)
-                self.db.execute("INSERT INTO schema_migrations VALUES (?, ?)", (version, time.time()))
+    key: RequestKey
+    run_id: str
+    reserved_usd: float
 
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self.db
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
 
-    # -- operations (run inside a transaction) --------------------------------------------
+@dataclass(frozen=True)
+class FinishAttempt:
+    """An attempt ended: its outcome and cost, and the request's new state (with the reply
+    when it is ``done``)."""
 
-    def op_start(self, key: RequestKey, *, run_id: str, reserved_usd: float) -> int:
-        """The request is about to be sent: ``in_flight``, one more attempt. Returns the
-        attempt's row id."""
+    key: RequestKey
+    attempt_id: int
+    state: str
+    outcome: str
+    cost_usd: float
+    http_status: int | None = None
+    error_kind: str | None = None
+    provider: str | None = None
+    generation_id: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    reply: dict[str, Any] | None = None
+    error: str | None = None
+
+    def attempt_row(self, now: float) -> tuple[Any, ...]:
+        """The values of ``FINISH[0]``, in its order."""
+        return (now, self.outcome, self.http_status, self.error_kind, self.provider, self.generation_id, self.cost_usd,
+                self.prompt_tokens, self.completion_tokens, self.attempt_id)  # fmt: skip
+
+    def request_row(self, now: float) -> tuple[Any, ...]:
+        """The values of ``FINISH[1]``, in its order."""
+        reply = orjson.dumps(self.reply).decode() if self.reply is not None else None
+        return (self.state, self.cost_usd, self.provider, self.generation_id, self.prompt_tokens,
+                self.completion_tokens, reply, self.error, now, *self.key.tuple())  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WriteRecords:
+    """Records written to the output: (record id, line, line sha256) each."""
+
+    dataset: str
+    params_hash: str
+    lines: Sequence[tuple[str, str, str]]
+
+
+@dataclass(frozen=True)
+class SaveMonitor:
+    """A provider's monitor: its count of monitored replies, and its state when given
+    (``ProviderMonitor.state()``; the path goes to ``monitor_path``, ``points`` at a time)."""
+
+    verification_run_id: str
+    dataset: str
+    tag: str
+    served: int
+    state: dict[str, Any] | None = None
+    points: Sequence[tuple[int, float]] = ()
+
+
+@dataclass(frozen=True)
+class NoteGenerationIds:
+    """(attempt id, generation id) pairs learned from response headers."""
+
+    notes: Sequence[tuple[int, str]] = field(default_factory=list)
+
+
+Operation = StartAttempt | FinishAttempt | WriteRecords | SaveMonitor | NoteGenerationIds
+
+
+class Transaction(abc.ABC):
+    """One transaction's statements, with ``?`` placeholders whatever the backend."""
+
+    @abc.abstractmethod
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Run one statement; its rows (none for a statement that returns none)."""
+
+    @abc.abstractmethod
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def rowcount(self) -> int:
+        """Rows the last ``execute`` changed."""
+
+
+FINISH = (
+    """UPDATE attempts SET finished_at=?, outcome=?, http_status=?, error_kind=?, provider=?,
+              generation_id=COALESCE(?, generation_id), cost_usd=?, prompt_tokens=?, completion_tokens=?
+       WHERE id=?""",
+    """UPDATE requests SET state=?, settled_usd=settled_usd+?, reserved_usd=0, provider=COALESCE(?, provider),
+              generation_id=COALESCE(?, generation_id), prompt_tokens=COALESCE(?, prompt_tokens),
+              completion_tokens=COALESCE(?, completion_tokens), reply=COALESCE(?, reply), last_error=?, updated_at=?
+       WHERE dataset=? AND record_id=? AND turn=? AND params_hash=?""",
+)
+"""An attempt's end, then its request's (``FinishAttempt`` gives the rows)."""
+
+UNWRITTEN = "record_id NOT IN (SELECT record_id FROM records WHERE dataset=? AND params_hash=?)"
+"""Records not written yet (the ledger has no line for them)."""
+
+
+class Ledger(abc.ABC):
+    """The ledger's interface. Reads run directly; writes are operations committed in
+    batches (``commit``: through ``LedgerWriter`` when async, directly for recovery and
+    tests). The SQL is shared; a backend supplies connections, transactions, migrations
+    and the one statement the two databases cannot share (``_start``)."""
+
+    where: str
+    """The ledger as messages name it (a path, or a URL without its password)."""
+    threaded: ClassVar[bool] = False
+    """Whether ``LedgerWriter`` runs commits on a thread: true when a commit waits on a
+    server (a thread lets the event loop go on); false for SQLite, whose commits were
+    measured faster on the loop's own thread (GIL hand-offs cost more than they overlap)."""
+
+    # -- the backend's part -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """A read outside any transaction (``?`` placeholders)."""
+
+    @abc.abstractmethod
+    def transaction(self) -> contextlib.AbstractContextManager[Transaction]:
+        """One transaction: committed when the block ends, rolled back when it raises."""
+
+    @abc.abstractmethod
+    def _start(self, tx: Transaction, ops: Sequence[StartAttempt]) -> list[int]:
+        """Mark the requests in flight and insert their attempts; the attempts' ids."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def commit(self, ops: Sequence[Operation]) -> list[Any]:
+        """Apply ``ops`` in order in one transaction; one result each (``StartAttempt``: the
+        attempt's id; the others: None). Consecutive operations of one kind go as one batch."""
+        results: list[Any] = []
+        with self.transaction() as tx:
+            for kind, run in groupby(ops, key=type):
+                batch = list(run)
+                ids = self._apply(tx, kind, batch)
+                results += ids if kind is StartAttempt else [None] * len(batch)
+        return results
+
+    def write(self, op: Operation) -> Any:
+        """One operation, committed now (recovery, adoption and tests)."""
+        return self.commit([op])[0]
+
+    def _apply(self, tx: Transaction, kind: type, ops: list[Any]) -> list[int]:
         now = time.time()
-        (attempt,) = self.db.execute(
-            """INSERT INTO requests (dataset, record_id, turn, params_hash, state, attempts, reserved_usd, created_at, updated_at)
-               VALUES (?, ?, ?, ?, 'in_flight', 1, ?, ?, ?)
-               ON CONFLICT DO UPDATE SET state='in_flight', attempts=attempts+1, reserved_usd=excluded.reserved_usd,
-                                         updated_at=excluded.updated_at
-               RETURNING attempts""",
-            (*key.tuple(), reserved_usd, now, now),
-        ).fetchone()
-        cursor = self.db.execute(
-            """INSERT INTO attempts (dataset, record_id, turn, params_hash, attempt, run_id, started_at, reserved_usd)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
-            (*key.tuple(), attempt, run_id, now, reserved_usd),
-        )
-        return int(cursor.lastrowid or 0)
+        if kind is StartAttempt:
+            return self._start(tx, ops)
+        if kind is FinishAttempt:
+            tx.executemany(FINISH[0], [op.attempt_row(now) for op in ops])
+            tx.executemany(FINISH[1], [op.request_row(now) for op in ops])
+        elif kind is WriteRecords:
+            tx.executemany(
+                """INSERT INTO records VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (dataset, record_id, params_hash)
+                   DO UPDATE SET line_sha256=excluded.line_sha256, line=excluded.line, written_at=excluded.written_at""",
+                [(op.dataset, record_id, op.params_hash, sha, line, now) for op in ops for record_id, line, sha in op.lines],
+            )
+        elif kind is SaveMonitor:
+            for op in ops:
+                self._save_monitor(tx, op, now)
+        elif kind is NoteGenerationIds:
+            tx.executemany("UPDATE attempts SET generation_id=? WHERE id=?", [(g, a) for op in ops for a, g in op.notes])
+        return []
 
-    def op_generation_ids(self, notes: list[tuple[int, str]]) -> None:
-        """(attempt id, generation id) pairs learned from response headers."""
-        self.db.executemany("UPDATE attempts SET generation_id=? WHERE id=?", [(g, a) for a, g in notes])
-
-    def op_finish(
-        self,
-        key: RequestKey,
-        attempt_id: int,
-        *,
-        state: str,
-        outcome: str,
-        cost_usd: float,
-        http_status: int | None = None,
-        error_kind: str | None = None,
-        provider: str | None = None,
-        generation_id: str | None = None,
-        prompt_tokens: int | None = None,
-        completion_tokens: int | None = None,
-        reply: dict[str, Any] | None = None,
-        error: str | None = None,
-    ) -> None:
-        now = time.time()
-        self.db.execute(
-            """UPDATE attempts SET finished_at=?, outcome=?, http_status=?, error_kind=?, provider=?,
-                      generation_id=COALESCE(?, generation_id), cost_usd=?, prompt_tokens=?, completion_tokens=?
-               WHERE id=?""",
-            (
-                now,
-                outcome,
-                http_status,
-                error_kind,
-                provider,
-                generation_id,
-                cost_usd,
-                prompt_tokens,
-                completion_tokens,
-                attempt_id,
-            ),
-        )
-        self.db.execute(
-            """UPDATE requests SET state=?, settled_usd=settled_usd+?, reserved_usd=0, provider=COALESCE(?, provider),
-                      generation_id=COALESCE(?, generation_id), prompt_tokens=COALESCE(?, prompt_tokens),
-                      completion_tokens=COALESCE(?, completion_tokens), reply=COALESCE(?, reply), last_error=?, updated_at=?
-               WHERE dataset=? AND record_id=? AND turn=? AND params_hash=?""",
-            (state, cost_usd, provider, generation_id, prompt_tokens, completion_tokens,
-             orjson.dumps(reply).decode() if reply is not None else None, error, now, *key.tuple()),
-        )  # fmt: skip
-
-    def op_records(self, dataset: str, params_hash: str, lines: list[tuple[str, str, str]]) -> None:
-        """Mark records written: (record id, line, line sha256) each."""
-        now = time.time()
-        self.db.executemany(
-            "INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?, ?)",
-            [(dataset, record_id, params_hash, sha, line, now) for record_id, line, sha in lines],
-        )
-
-    def op_monitor(
-        self, verification_run_id: str, dataset: str, tag: str, *, served: int, state: dict[str, Any] | None = None,
-        points: Sequence[tuple[int, float]] = (),
-    ) -> None:  # fmt: skip
-        """Save a provider's monitor: its count of monitored replies, its state when given
-        (``ProviderMonitor.state()``; the path goes to ``monitor_path``, ``points`` at a time)."""
-        key = (verification_run_id, dataset, tag)
-        now = time.time()
-        if state is None:
-            self.db.execute(
+    @staticmethod
+    def _save_monitor(tx: Transaction, op: SaveMonitor, now: float) -> None:
+        key = (op.verification_run_id, op.dataset, op.tag)
+        if op.state is None:
+            tx.execute(
                 """INSERT INTO monitors VALUES (?, ?, ?, ?, '{}', 0, ?)
-                   ON CONFLICT DO UPDATE SET served=excluded.served, updated_at=excluded.updated_at""",
-                (*key, served, now),
+                   ON CONFLICT (verification_run_id, dataset, tag)
+                   DO UPDATE SET served=excluded.served, updated_at=excluded.updated_at""",
+                (*key, op.served, now),
             )
         else:
-            body = orjson.dumps({k: v for k, v in state.items() if k != "path"}).decode()
-            self.db.execute(
-                """INSERT INTO monitors VALUES (?, ?, ?, ?, ?, ?, ?)
-                   ON CONFLICT DO UPDATE SET served=excluded.served, state=excluded.state, stopped=excluded.stopped,
-                                             updated_at=excluded.updated_at""",
-                (*key, served, body, state.get("stopped") is not None, now),
+            body = orjson.dumps({k: v for k, v in op.state.items() if k != "path"}).decode()
+            tx.execute(
+                """INSERT INTO monitors VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (verification_run_id, dataset, tag)
+                   DO UPDATE SET served=excluded.served, state=excluded.state, stopped=excluded.stopped,
+                                 updated_at=excluded.updated_at""",
+                (*key, op.served, body, int(op.state.get("stopped") is not None), now),
             )
-        self.db.executemany("INSERT OR REPLACE INTO monitor_path VALUES (?, ?, ?, ?, ?)", [(*key, i, e) for i, e in points])
+        tx.executemany(
+            """INSERT INTO monitor_path VALUES (?, ?, ?, ?, ?) ON CONFLICT (verification_run_id, dataset, tag, idx)
+               DO UPDATE SET e_value=excluded.e_value""",
+            [(*key, i, e) for i, e in op.points],
+        )
 
-    # -- reads and recovery ---------------------------------------------------------------
+    # -- reads and recovery ------------------------------------------------------------------
 
     def monitor_states(self, verification_run_id: str) -> dict[tuple[str, str], dict[str, Any]]:
         """(dataset, tag) → saved monitor state with its path, for every dataset of one
         verification (as ``ProviderMonitor.restore`` takes it; a monitor whose replies were
         all still being scored has only ``served``, ``stopped`` and an empty path)."""
-        rows = self.db.execute(
-            "SELECT dataset, tag, served, state FROM monitors WHERE verification_run_id=?",
-            (verification_run_id,),
-        )
+        rows = self.query("SELECT dataset, tag, served, state FROM monitors WHERE verification_run_id=?", (verification_run_id,))
         states = {
             (dataset, tag): {"stopped": None} | json.loads(state) | {"served": served, "path": []}
             for dataset, tag, served, state in rows
         }
-        points = self.db.execute(
+        points = self.query(
             "SELECT dataset, tag, idx, e_value FROM monitor_path WHERE verification_run_id=? ORDER BY idx",
             (verification_run_id,),
         )
@@ -318,16 +305,15 @@ class Ledger:
         """Replies of the finished turns of records not written yet, by (record id, turn):
         what a resumed run reuses instead of asking again (written records are skipped
         whole, so their replies stay on disk)."""
-        rows = self.db.execute(
-            """SELECT record_id, turn, reply FROM requests WHERE dataset=? AND params_hash=? AND state='done'
-                      AND record_id NOT IN (SELECT record_id FROM records WHERE dataset=? AND params_hash=?)""",
+        rows = self.query(
+            f"SELECT record_id, turn, reply FROM requests WHERE dataset=? AND params_hash=? AND state='done' AND {UNWRITTEN}",  # noqa: S608 - fixed text
             (dataset, params_hash, dataset, params_hash),
         )
         return {(r, t): json.loads(reply) for r, t, reply in rows if reply}
 
     def done_records(self, dataset: str, params_hash: str) -> dict[str, tuple[str, str]]:
         """record id → (line sha256, line) for every record written."""
-        rows = self.db.execute(
+        rows = self.query(
             "SELECT record_id, line_sha256, line FROM records WHERE dataset=? AND params_hash=?", (dataset, params_hash)
         )
         return {r: (sha, line) for r, sha, line in rows}
@@ -335,17 +321,15 @@ class Ledger:
     def recover(self, dataset: str) -> int:
         """Requests left ``in_flight`` by a run that died become ``unknown_outcome`` (their
         attempts: ``unknown``, possibly billed). Returns how many."""
-        with self.transaction():
-            self.db.execute(
+        with self.transaction() as tx:
+            tx.execute(
                 "UPDATE attempts SET outcome='unknown', finished_at=? WHERE dataset=? AND outcome IS NULL", (time.time(), dataset)
             )
-            cursor = self.db.execute(
-                "UPDATE requests SET state='unknown_outcome' WHERE dataset=? AND state='in_flight'", (dataset,)
-            )
-            return cursor.rowcount
+            tx.execute("UPDATE requests SET state='unknown_outcome' WHERE dataset=? AND state='in_flight'", (dataset,))
+            return tx.rowcount
 
     def unknown_with_generation_id(self, dataset: str) -> list[tuple[int, str]]:
-        rows = self.db.execute(
+        rows = self.query(
             "SELECT id, generation_id FROM attempts WHERE dataset=? AND outcome='unknown' AND generation_id IS NOT NULL",
             (dataset,),
         )
@@ -353,12 +337,10 @@ class Ledger:
 
     def reconcile(self, attempt_id: int, cost_usd: float) -> None:
         """An unknown attempt's charge, learned from the gateway's generation record."""
-        with self.transaction():
-            row = self.db.execute(
-                "SELECT dataset, record_id, turn, params_hash FROM attempts WHERE id=?", (attempt_id,)
-            ).fetchone()
-            self.db.execute("UPDATE attempts SET outcome='reconciled', cost_usd=? WHERE id=?", (cost_usd, attempt_id))
-            self.db.execute(
+        with self.transaction() as tx:
+            (row,) = tx.execute("SELECT dataset, record_id, turn, params_hash FROM attempts WHERE id=?", (attempt_id,))
+            tx.execute("UPDATE attempts SET outcome='reconciled', cost_usd=? WHERE id=?", (cost_usd, attempt_id))
+            tx.execute(
                 "UPDATE requests SET settled_usd=settled_usd+? WHERE dataset=? AND record_id=? AND turn=? AND params_hash=?",
                 (cost_usd, *row),
             )
@@ -372,25 +354,25 @@ class Ledger:
             where.append("run_id=?")
             args.append(run_id)
         clause = ("WHERE " + " AND ".join(where)) if where else ""
-        settled, unknown, attempts, unknown_n = self.db.execute(
+        ((settled, unknown, attempts, unknown_n),) = self.query(
             f"""SELECT COALESCE(SUM(cost_usd), 0),
                        COALESCE(SUM(CASE WHEN outcome='unknown' OR outcome IS NULL THEN reserved_usd END), 0),
                        COUNT(*), COALESCE(SUM(CASE WHEN outcome='unknown' OR outcome IS NULL THEN 1 ELSE 0 END), 0)
                 FROM attempts {clause}""",  # noqa: S608 - the clause is built from fixed column names
             args,
-        ).fetchone()
+        )
         return Spend(float(settled), float(unknown), int(attempts), int(unknown_n))
 
     def output_tokens(self, dataset: str, params_hash: str) -> int:
-        row = self.db.execute(
+        ((tokens,),) = self.query(
             "SELECT COALESCE(SUM(completion_tokens), 0) FROM requests WHERE dataset=? AND params_hash=? AND state='done'",
             (dataset, params_hash),
-        ).fetchone()
-        return int(row[0])
+        )
+        return int(tokens)
 
     def record_costs(self, dataset: str, params_hash: str) -> dict[str, float]:
         """Settled spend per record (all attempts of all its turns, failed ones included)."""
-        rows = self.db.execute(
+        rows = self.query(
             "SELECT record_id, SUM(cost_usd) FROM attempts WHERE dataset=? AND params_hash=? GROUP BY record_id",
             (dataset, params_hash),
         )
@@ -399,10 +381,8 @@ class Ledger:
     def unwritten_record_costs(self, dataset: str, params_hash: str) -> dict[str, float]:
         """Settled spend so far of records that have attempts but are not written yet (a
         resumed run adds its own attempts' costs to these)."""
-        rows = self.db.execute(
-            """SELECT record_id, SUM(cost_usd) FROM attempts WHERE dataset=? AND params_hash=? AND record_id NOT IN
-                      (SELECT record_id FROM records WHERE dataset=? AND params_hash=?)
-               GROUP BY record_id""",
+        rows = self.query(
+            f"SELECT record_id, SUM(cost_usd) FROM attempts WHERE dataset=? AND params_hash=? AND {UNWRITTEN} GROUP BY record_id",  # noqa: S608 - fixed text
             (dataset, params_hash, dataset, params_hash),
         )
         return {r: float(c) for r, c in rows if c}
@@ -410,10 +390,9 @@ class Ledger:
     def unwritten_attempts(self, dataset: str, params_hash: str) -> dict[tuple[str, int], Counter[str]]:
         """Finished attempts of records not written yet, by (record id, turn) and billing
         (``billing_of``): a resumed run's provenance counts every earlier attempt too."""
-        rows = self.db.execute(
-            """SELECT record_id, turn, outcome, cost_usd FROM attempts WHERE dataset=? AND params_hash=?
-                      AND outcome IS NOT NULL AND record_id NOT IN
-                      (SELECT record_id FROM records WHERE dataset=? AND params_hash=?)""",
+        rows = self.query(
+            f"""SELECT record_id, turn, outcome, cost_usd FROM attempts WHERE dataset=? AND params_hash=?
+                       AND outcome IS NOT NULL AND {UNWRITTEN}""",  # noqa: S608 - fixed text
             (dataset, params_hash, dataset, params_hash),
         )
         counts: dict[tuple[str, int], Counter[str]] = {}
@@ -422,24 +401,49 @@ class Ledger:
         return counts
 
     def state_counts(self, dataset: str) -> dict[str, int]:
-        return {
-            s: int(n)
-            for s, n in self.db.execute("SELECT state, COUNT(*) FROM requests WHERE dataset=? GROUP BY state", (dataset,))
-        }
+        rows = self.query("SELECT state, COUNT(*) FROM requests WHERE dataset=? GROUP BY state", (dataset,))
+        return {s: int(n) for s, n in rows}
+
+
+def configured_url(params_url: str) -> tuple[str, str]:
+    """The ledger's URL and where it came from: ``$QUANTHUNT_LEDGER_URL`` when set (a
+    password may be in it), else ``ledger.url`` in params."""
+    if url := os.environ.get(URL_VARIABLE, ""):
+        try:
+            return check_ledger_url(url), f"${URL_VARIABLE}"
+        except ValueError as exc:
+            raise ConfigError(f"${URL_VARIABLE}: {exc}") from None
+    return params_url, "ledger.url"
+
+
+def open_ledger(params_url: str, root: Path) -> Ledger:
+    """The configured ledger (``configured_url``); a relative SQLite path is under ``root``."""
+    url, source = configured_url(params_url)
+    scheme, _, rest = url.partition("://")
+    if scheme == "sqlite":
+        from quanthunt.ledger_sqlite import SqliteLedger
+
+        path = Path(rest[1:])
+        return SqliteLedger(path if path.is_absolute() else root / path)
+    from quanthunt.ledger_postgres import PostgresLedger
+
+    return PostgresLedger(url, source=source)
 
 
 class LedgerWriter:
     """Group commit: operations queued from the event loop run in one transaction per
     ``interval_s``; ``await writer.write(op)`` returns once ``op`` is committed.
 
-    Transactions run on the event loop's thread: a worker thread was measured slower (GIL
-    hand-offs cost more than the SQLite time they overlap), and so was committing in the
-    turn of the first caller after the interval instead of the writer task's own."""
+    On SQLite transactions run on the event loop's thread: a worker thread was measured
+    slower (GIL hand-offs cost more than the SQLite time they overlap), and so was
+    committing in the turn of the first caller after the interval instead of the writer
+    task's own. A server backend (``Ledger.threaded``) commits on a thread, since its
+    commits wait on the network; operations queued meanwhile go in the next batch."""
 
     def __init__(self, ledger: Ledger, *, interval_s: float = 0.005) -> None:
         self.ledger = ledger
         self.interval_s = interval_s
-        self._pending: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        self._pending: list[tuple[Operation, asyncio.Future[Any]]] = []
         self._generation_ids: list[tuple[int, str]] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -449,9 +453,8 @@ class LedgerWriter:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def submit(self, op: Callable[[], Any]) -> asyncio.Future[Any]:
-        """Queue ``op`` (a callable running SQL on the ledger); the future resolves with its
-        result after the commit."""
+    def submit(self, op: Operation) -> asyncio.Future[Any]:
+        """Queue ``op``; the future resolves with its result after the commit."""
         if self._closed:
             raise RuntimeError("the ledger writer is closed")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -459,7 +462,7 @@ class LedgerWriter:
         self._wakeup.set()
         return future
 
-    async def write(self, op: Callable[[], Any]) -> Any:
+    async def write(self, op: Operation) -> Any:
         return await self.submit(op)
 
     def note_generation_id(self, attempt_id: int, generation_id: str) -> None:
@@ -474,26 +477,28 @@ class LedgerWriter:
             if self.interval_s and not self._closed:
                 await asyncio.sleep(self.interval_s)
             if self._pending or self._generation_ids:
-                self._commit()
+                await self._commit()
             if self._closed and not self._pending:
                 return
 
-    def _commit(self) -> None:
+    async def _commit(self) -> None:
         """Everything queued, in one transaction; then resolve the callers' futures."""
         batch, self._pending = self._pending, []
         notes, self._generation_ids = self._generation_ids, []
+        ops: list[Operation] = [NoteGenerationIds(notes)] if notes else []
+        ops += [op for op, _ in batch]
         try:
-            with self.ledger.transaction():
-                if notes:
-                    self.ledger.op_generation_ids(notes)
-                results = [op() for op, _ in batch]
+            if self.ledger.threaded:
+                results = await asyncio.to_thread(self.ledger.commit, ops)
+            else:
+                results = self.ledger.commit(ops)
         except BaseException as exc:
             for _, future in batch:
                 if not future.done():
                     future.set_exception(exc)
             return
         self.commits += 1
-        for (_, future), result in zip(batch, results, strict=True):
+        for (_, future), result in zip(batch, results[len(ops) - len(batch) :], strict=True):
             if not future.done():
                 future.set_result(result)
 
@@ -504,4 +509,4 @@ class LedgerWriter:
         if self._task is not None:
             await self._task
         if self._pending or self._generation_ids:
-            self._commit()
+            await self._commit()

@@ -8,7 +8,6 @@ The statistics are :mod:`quanthunt.monitor`'s; this module is the I/O around the
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +16,7 @@ from typing import Any
 
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import GatewayError
-from quanthunt.ledger import Ledger, LedgerWriter, RequestKey
+from quanthunt.ledger import Ledger, LedgerWriter, RequestKey, SaveMonitor
 from quanthunt.monitor import Observation, ProviderMonitor, Stop
 from quanthunt.params import Margins, Sampling
 from quanthunt.params import Monitor as MonitorParams
@@ -115,12 +114,12 @@ class Monitoring:
     """Runs the monitors of one dataset's run (see the module docstring)."""
 
     def __init__(
-        self, monitors: Mapping[str, ProviderMonitor], scorer: Scorer, ledger: Ledger, writer: LedgerWriter, *,
+        self, monitors: Mapping[str, ProviderMonitor], scorer: Scorer, writer: LedgerWriter, *,
         verification_run_id: str, dataset: str, settings: MonitorParams, say: Callable[[str], None] = lambda _: None,
     ) -> None:  # fmt: skip
         self.monitors = dict(monitors)
         self.scorer = scorer
-        self.ledger, self.writer = ledger, writer
+        self.writer = writer
         self.verification_run_id, self.dataset = verification_run_id, dataset
         self.settings = settings
         self.say = say
@@ -165,7 +164,7 @@ class Monitoring:
         monitor = self.monitors[tag]
         index = monitor.next_index()
         self.counts["monitored"] += 1
-        self.writer.submit(functools.partial(self.ledger.op_monitor, *self._key(monitor), served=monitor.served))
+        self.writer.submit(SaveMonitor(*self._key(monitor), served=monitor.served))
         label = f"{key.dataset}/{key.record_id}/{key.turn}"  # seeds the rank z's jitter
         task = asyncio.ensure_future(self._score(monitor, index, label, messages, reply))
         self._tasks.add(task)
@@ -218,8 +217,8 @@ class Monitoring:
         so a kill -9 loses at most the replies still being scored."""
         points = monitor.path[self._saved_points.get(monitor.tag, 0) :]
         self._saved_points[monitor.tag] = len(monitor.path)
-        self.writer.submit(functools.partial(self.ledger.op_monitor, *self._key(monitor), served=monitor.served,
-                                             state=monitor.state(with_path=False), points=points))  # fmt: skip
+        self.writer.submit(SaveMonitor(*self._key(monitor), served=monitor.served, state=monitor.state(with_path=False),
+                                       points=points))  # fmt: skip
 
     def summary(self) -> dict[str, Any]:
         """Each provider's monitor now, and what the monitor did (the stage's metrics)."""

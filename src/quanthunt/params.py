@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -83,7 +84,6 @@ class Paths(_Section):
     report: str
     plots_verification: str
     plots_cost: str
-    ledger: str
     locks: str
     logs: str
 
@@ -208,6 +208,24 @@ class Sandbox(_Section):
 
 class Tracking(_Section):
     experiment: str = Field(min_length=1)
+
+
+class LedgerSettings(_Section):
+    """Where the request ledger is (``quanthunt.ledger``): a SQLite file for one host, or a
+    PostgreSQL database that many hosts share. ``$QUANTHUNT_LEDGER_URL`` overrides it."""
+
+    url: str
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        urls.check_ledger_url(value)
+        if urlsplit(value).password is not None:
+            raise ValueError(
+                "a password does not belong in params.yaml (it is committed): set PGPASSWORD, use ~/.pgpass, "
+                "or put the whole URL in $QUANTHUNT_LEDGER_URL"
+            )
+        return value
 
 
 class Policy(_Section):
@@ -459,6 +477,7 @@ class Params(_Section):
     reasoning: Reasoning
     sandbox: Sandbox
     tracking: Tracking
+    ledger: LedgerSettings
     datasets: tuple[str, ...] = Field(min_length=1)
     """Prompt datasets, by name: ``<paths.prompts>/<name>.jsonl``."""
     survey: Survey

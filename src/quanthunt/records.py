@@ -28,7 +28,7 @@ import orjson
 from quanthunt import __version__
 from quanthunt.errors import ConfigError
 from quanthunt.jobs import Eligible, Job
-from quanthunt.ledger import BILLING, Ledger, LedgerWriter
+from quanthunt.ledger import BILLING, Ledger, LedgerWriter, WriteRecords
 from quanthunt.prompts import PromptRecord, skeleton
 
 TURN_FIELDS = ("generation_id", "finish_reason", "prompt_tokens", "completion_tokens", "cost_usd", "monitor")
@@ -122,10 +122,8 @@ class RecordSink:
     ``prepare_output``. Workers hand a record over with ``add`` and go on with the next one;
     the returned future says when it is safely written."""
 
-    def __init__(
-        self, path: Path, ledger: Ledger, writer: LedgerWriter, dataset: str, params_hash: str, *, interval_s: float = 0.01
-    ) -> None:
-        self.path, self.ledger, self.writer = path, ledger, writer
+    def __init__(self, path: Path, writer: LedgerWriter, dataset: str, params_hash: str, *, interval_s: float = 0.01) -> None:
+        self.path, self.writer = path, writer
         self.dataset, self.params_hash, self.interval_s = dataset, params_hash, interval_s
         self._pending: list[tuple[str, str, tuple[asyncio.Future[Any], ...], asyncio.Future[None]]] = []
         self._outstanding: set[asyncio.Future[None]] = set()
@@ -183,7 +181,7 @@ class RecordSink:
             self._fh.flush()
             os.fsync(self._fh.fileno())
             lines = [(record_id, line, sha256_line(line)) for record_id, line, _, _ in batch]
-            await self.writer.write(lambda: self.ledger.op_records(self.dataset, self.params_hash, lines))
+            await self.writer.write(WriteRecords(self.dataset, self.params_hash, lines))
         except Exception as exc:  # every record of the batch, and every later one, fails with it
             self._error = exc
             for *_, future in batch:
@@ -252,8 +250,7 @@ def prepare_output(path: Path, ledger: Ledger, dataset: str, params_hash: str) -
     restore = [(r, line) for r, (_, line) in recorded.items() if r not in in_file]
     edited = tuple(sorted(r for r, line in in_file.items() if r in recorded and sha256_line(line) != recorded[r][0]))
     if adopt:
-        with ledger.transaction():
-            ledger.op_records(dataset, params_hash, [(r, line, sha256_line(line)) for r, line in adopt])
+        ledger.write(WriteRecords(dataset, params_hash, [(r, line, sha256_line(line)) for r, line in adopt]))
     if restore:
         with path.open("ab") as fh:
             fh.write(b"".join((line + "\n").encode() for _, line in restore))

@@ -21,6 +21,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_ledger_url(url: str) -> str:
+    """``url`` when it names a ledger (``quanthunt.ledger``): ``sqlite:///relative/path``
+    (under the project), ``sqlite:////absolute/path`` or ``postgresql://user@host:port/db``.
+    Raises ``ValueError`` naming the problem, never quoting a password."""
+    scheme, sep, rest = url.partition("://")
+    sqlite_path = rest[1:] if scheme == "sqlite" and rest.startswith("/") else ""
+    if not sep or not (sqlite_path.strip("/") or (scheme in ("postgresql", "postgres") and rest)) or "\x00" in url:
+        shown = one_line(hide_userinfo(url), 80)
+        raise ValueError(f"is not a ledger URL (sqlite:///path or postgresql://host/db): {shown!r}")
+    return url
+
+
 def check_base_url(url: str) -> str:
     """An https URL, or plain http to a loopback host (the sandbox, a local server), that
     the HTTP client reads as it is written (a numeric port in range, no credentials, no

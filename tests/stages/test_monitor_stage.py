@@ -22,7 +22,7 @@ from fixtures.generation import SANDBOX_KEY, GenerationBed, write_prompts, write
 from fixtures.project import BIN, Project
 from fixtures.sandbox import provider
 
-from quanthunt.ledger import Ledger
+from quanthunt.ledger_sqlite import SqliteLedger
 from quanthunt.sandbox.server import SandboxProcess
 
 RECORDS = 64
@@ -149,7 +149,7 @@ def test_kill_9_mid_run_resumes_with_the_monitors_state(generation_bed: Callable
 def monitor_states(path: Path) -> dict[str, dict[str, Any]]:
     if not path.exists():
         return {}
-    ledger = Ledger(path)
+    ledger = SqliteLedger(path)
     try:
         return {tag: state for (_, tag), state in ledger.monitor_states("fixture").items()}
     finally:
