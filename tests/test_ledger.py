@@ -22,6 +22,7 @@ from quanthunt.ledger import (
     WriteRecords,
     open_ledger,
 )
+from quanthunt.ledger_sqlite import SqliteLedger
 
 HASH = "p" * 64
 
@@ -142,7 +143,8 @@ def test_reopening_keeps_everything_and_applies_no_migration_twice(ledger: Ledge
     versions = ledger.query("SELECT version FROM schema_migrations ORDER BY version")
     again = open_ledger("sqlite:///state/ledger.sqlite", tmp_path)
     try:
-        assert again.query("SELECT version FROM schema_migrations ORDER BY version") == versions == [(1,), (2,)]
+        assert again.query("SELECT version FROM schema_migrations ORDER BY version") == versions
+        assert versions == ([(1,), (2,)] if isinstance(ledger, SqliteLedger) else [(1,), (2,), (3,)])
         assert again.query("SELECT id FROM attempts") == [(attempt,)]
     finally:
         again.close()

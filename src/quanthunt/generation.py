@@ -44,17 +44,17 @@ import gc
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from quanthunt.defaults import GATEWAY_LIMITS, GATEWAY_UNREACHABLE_S
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
 from quanthunt.gateway import TRANSIENT, GatewayError, chat_body, same_provider
 from quanthunt.jobs import Eligible, Job, Progress
-from quanthunt.ledger import FinishAttempt, Ledger, LedgerWriter, RequestKey, StartAttempt
+from quanthunt.ledger import Earlier, FinishAttempt, Ledger, LedgerWriter, RequestKey, StartAttempt
 from quanthunt.monitoring import LOGPROB_TOP, Event, Monitoring
 from quanthunt.prompts import PromptRecord, next_request, skeleton
-from quanthunt.records import RecordSink, record_line
+from quanthunt.records import record_line
 from quanthunt.replies import ChatReply, Generation
 
 BILLED_UNKNOWN = frozenset({"timeout", "disconnect", "malformed", "unexpected_reply", "transport"})
@@ -74,6 +74,23 @@ class StopRun(QuanthuntError):
         super().__init__(message)
         self.exit_code = exit_code
         self.top_up = top_up
+
+
+class Fenced(Exception):
+    """The shared ledger refused to start a request: another worker took the record over."""
+
+
+class Sink(Protocol):
+    """Where finished records go: the dataset's file (``records.RecordSink``) or, on a
+    shared ledger, the ledger itself (``shared.ClaimSink``)."""
+
+    @property
+    def path(self) -> object: ...
+    @property
+    def backlog(self) -> int: ...
+    def add(self, record_id: str, line: str, *, after: Iterable[asyncio.Future[Any]] = ()) -> asyncio.Future[Any]: ...
+    def finished(self, record_id: str, state: str) -> None: ...
+    async def drain(self) -> None: ...
 
 
 class ChatClient(Protocol):
@@ -169,15 +186,20 @@ class Engine:
     """One dataset's run. ``await engine.run(records)`` returns when every record is done,
     failed, or the run had to stop (then ``progress.stop_reason`` says why)."""
 
-    def __init__(self, job: Job, chat: ChatClient, ledger: Ledger, writer: LedgerWriter, sink: RecordSink, *,
+    def __init__(self, job: Job, chat: ChatClient, ledger: Ledger, writer: LedgerWriter, sink: Sink, *,
                  done_turns: dict[tuple[str, int], dict[str, Any]], seed: int = 0,
-                 monitoring: Monitoring | None = None) -> None:  # fmt: skip
+                 monitoring: Monitoring | None = None,
+                 lease: Callable[[float], Awaitable[float]] | None = None) -> None:  # fmt: skip
         self.job, self.chat, self.ledger, self.writer, self.sink = job, chat, ledger, writer, sink
         self.monitoring = monitoring
         if monitoring is not None:
             monitoring.on_stop = self._stopped_by_monitor
         self.done_turns = done_turns
-        self.budget = Budget(job.max_usd)
+        self.lease = lease
+        """On a shared ledger: asks for more budget (``shared.Worker.lease``); the run's cap
+        and the team's are then the ledger's, and ``budget`` holds what was leased."""
+        self.budget = Budget(0.0 if lease is not None else job.max_usd)
+        self._leasing = asyncio.Lock()
         self.cooldown = Cooldown()
         self.progress = Progress()
         self.rng = random.Random(seed)
@@ -212,11 +234,19 @@ class Engine:
         limit = self.job.max_output_tokens
         return limit is None or self.progress.output_tokens_before + self.progress.output_tokens < limit
 
-    async def run(self, records: Iterable[PromptRecord]) -> Progress:
+    def resume(self, earlier: Earlier) -> None:
+        """Take over what earlier owners of some records finished and spent (done turns,
+        costs, attempts by billing: ``shared.Worker.resume``) before they are worked."""
+        turns, costs, attempts = earlier
+        self.done_turns.update(turns)
+        self._record_costs.update(costs)
+        self._attempts.update(attempts)
+
+    async def run(self, records: Iterable[PromptRecord] | AsyncIterable[PromptRecord]) -> Progress:
         queue: asyncio.Queue[PromptRecord | None] = asyncio.Queue(maxsize=max(2 * self.job.concurrency, 16))
 
         async def produce() -> None:
-            for record in records:
+            async for record in _aiter(records):
                 if self._stop.is_set():
                     break
                 if not self._token_budget_left():
@@ -279,12 +309,18 @@ class Engine:
                 if estimate_prompt_tokens(messages) + self.job.sampling.max_tokens > self.job.context_length:
                     self.progress.records_skipped += 1
                     self.progress.skipped_reasons["prompt over the context length"] += 1
+                    self.sink.finished(record.id, "skipped")
                     return
                 key = RequestKey(self.job.dataset, record.id, turn, self.job.params_hash)
-                done = await self._request(key, messages, committing)
+                try:
+                    done = await self._request(key, messages, committing)
+                except Fenced:
+                    self.progress.errors["fenced"] += 1
+                    return
                 if done is None:
                     if not self._stop.is_set():
                         self.progress.records_failed += 1
+                        self.sink.finished(record.id, "failed")
                     return
             replies.append(done)
         written = self.sink.add(record.id, self._line(record, replies, started), after=committing)
@@ -296,7 +332,8 @@ class Engine:
         if future.cancelled():
             return
         if (error := future.exception()) is None:
-            self.progress.records_done += 1
+            if future.result() is not False:  # False: a shared ledger's fence refused the line
+                self.progress.records_done += 1
             return
         if self._write_error is None:
             self._write_error = error
@@ -343,10 +380,16 @@ class Engine:
                 seed=job.sampling.request_seed(key.record_id, key.turn), routing=self._routing[endpoint.tag],
                 reasoning=job.reasoning, logprobs=logprobs, top_logprobs=LOGPROB_TOP if logprobs else None,
             )  # fmt: skip
-            if not self.budget.reserve(worst):
-                self.stop(f"the run's spending cap (generate.max_usd_per_run ${job.max_usd:g}) would be exceeded")
+            if not self.budget.reserve(worst) and not await self._leased(worst):
+                cap = f"the run's spending cap (generate.max_usd_per_run ${job.max_usd:g})"
+                if self.lease is not None:
+                    cap = "the run's or the team's budget in the shared ledger"
+                self.stop(f"{cap} would be exceeded")
                 return None
-            attempt_id: int = await self.writer.write(StartAttempt(key, run_id=job.run_id, reserved_usd=worst))
+            attempt_id: int | None = await self.writer.write(StartAttempt(key, run_id=job.run_id, reserved_usd=worst))
+            if attempt_id is None:
+                self.budget.settle(worst, 0.0)
+                raise Fenced(key.record_id)
             self.progress.in_flight += 1
 
             def note(generation_id: str, attempt_id: int = attempt_id) -> None:
@@ -373,6 +416,17 @@ class Engine:
                 worst += (larger - max_tokens) * job.worst_completion_rate
                 max_tokens = larger
         return None
+
+    async def _leased(self, worst: float) -> bool:
+        """Reserve ``worst`` out of a new budget lease (one lease at a time); False when the
+        ledger's caps grant none."""
+        if self.lease is None:
+            return False
+        async with self._leasing:
+            if self.budget.reserve(worst):
+                return True
+            self.budget.cap_usd += await self.lease(worst)
+            return self.budget.reserve(worst)
 
     def _count(self, key: RequestKey, billing: str) -> None:
         self._attempts.setdefault((key.record_id, key.turn), Counter())[billing] += 1
@@ -563,3 +617,12 @@ async def reconcile_earlier(ledger: Ledger, dataset: str, lookup: Lookup) -> int
         if record is not None:
             ledger.reconcile(attempt_id, record.total_cost)
     return sum(record is not None for record in records)
+
+
+async def _aiter(records: Iterable[PromptRecord] | AsyncIterable[PromptRecord]) -> AsyncIterator[PromptRecord]:
+    if isinstance(records, AsyncIterable):
+        async for record in records:
+            yield record
+    else:
+        for record in records:
+            yield record

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import orjson
 
@@ -81,6 +81,15 @@ class Spend:
     unknown_usd: float
     attempts: int
     unknown_attempts: int
+
+
+class Earlier(NamedTuple):
+    """What earlier runs (or earlier owners) of some records left: the replies of their
+    finished turns, their settled cost, and their attempts by billing."""
+
+    turns: dict[tuple[str, int], dict[str, Any]]
+    costs: dict[str, float]
+    attempts: dict[tuple[str, int], Counter[str]]
 
 
 # -- write operations ----------------------------------------------------------------------
@@ -214,8 +223,9 @@ class Ledger(abc.ABC):
         """One transaction: committed when the block ends, rolled back when it raises."""
 
     @abc.abstractmethod
-    def _start(self, tx: Transaction, ops: Sequence[StartAttempt]) -> list[int]:
-        """Mark the requests in flight and insert their attempts; the attempts' ids."""
+    def _start(self, tx: Transaction, ops: Sequence[StartAttempt]) -> list[int | None]:
+        """Mark the requests in flight and insert their attempts; the attempts' ids (None:
+        refused by a fence, see ``quanthunt.shared``)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -224,20 +234,21 @@ class Ledger(abc.ABC):
 
     def commit(self, ops: Sequence[Operation]) -> list[Any]:
         """Apply ``ops`` in order in one transaction; one result each (``StartAttempt``: the
-        attempt's id; the others: None). Consecutive operations of one kind go as one batch."""
+        attempt's id, or None when a fenced ledger refused it; ``WriteRecords`` on a fenced
+        ledger: the ids written; otherwise None). Consecutive operations of one kind go as
+        one batch."""
         results: list[Any] = []
         with self.transaction() as tx:
             for kind, run in groupby(ops, key=type):
-                batch = list(run)
-                ids = self._apply(tx, kind, batch)
-                results += ids if kind is StartAttempt else [None] * len(batch)
+                results += self._apply(tx, kind, list(run))
         return results
 
     def write(self, op: Operation) -> Any:
         """One operation, committed now (recovery, adoption and tests)."""
         return self.commit([op])[0]
 
-    def _apply(self, tx: Transaction, kind: type, ops: list[Any]) -> list[int]:
+    def _apply(self, tx: Transaction, kind: type, ops: list[Any]) -> list[Any]:
+        """One batch of operations of one kind; a result each."""
         now = time.time()
         if kind is StartAttempt:
             return self._start(tx, ops)
@@ -255,7 +266,7 @@ class Ledger(abc.ABC):
                 self._save_monitor(tx, op, now)
         elif kind is NoteGenerationIds:
             tx.executemany("UPDATE attempts SET generation_id=? WHERE id=?", [(g, a) for op in ops for a, g in op.notes])
-        return []
+        return [None] * len(ops)
 
     @staticmethod
     def _save_monitor(tx: Transaction, op: SaveMonitor, now: float) -> None:

@@ -13,24 +13,130 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
 
 from quanthunt.config_files import hide_userinfo
 from quanthunt.errors import ConfigError
-from quanthunt.ledger import Ledger, StartAttempt, Transaction
-from quanthunt.ledger_schema import MIGRATIONS, Dialect
+from quanthunt.ledger import FINISH, FinishAttempt, Ledger, Operation, StartAttempt, Transaction, WriteRecords
+from quanthunt.ledger_schema import MIGRATIONS as SHARED_MIGRATIONS
+from quanthunt.ledger_schema import Dialect, run_script
 
 try:
     import psycopg
 except ImportError:  # pragma: no cover - depends on the install
     psycopg = None  # type: ignore[assignment]
 
+T = TypeVar("T")
+
 IDLE_IN_TRANSACTION_S = 30
 """A session idle inside a transaction this long is ended by the server."""
 
+RIDE_OUT_S = 120.0
+"""How long a host keeps trying while the server is away (a restart, a partition) before
+an operation fails."""
+
+CONNECTION: dict[str, Any] = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 10_000,
+}
+"""libpq settings: a server that stops answering (a partition: packets vanish, nothing
+resets the connection) is noticed within ~10 s instead of TCP's ~15 minutes."""
+
 
 TYPES = Dialect(real="DOUBLE PRECISION", identity="BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY")
+
+
+def shared_work(tx: Transaction, types: Dialect) -> None:
+    """What lets many hosts work one dataset (``quanthunt.shared``): budgets with their cap
+    as a constraint, the published jobs, the workers (liveness on the server's clock), the
+    work queue whose claims fence every write, and which worker made each attempt."""
+    run_script(
+        tx,
+        """
+        ALTER TABLE attempts ADD COLUMN worker BIGINT;
+        CREATE INDEX attempts_by_worker ON attempts (worker);
+        CREATE TABLE budgets (
+            name TEXT PRIMARY KEY,
+            parent TEXT REFERENCES budgets (name),
+            cap_usd DOUBLE PRECISION NOT NULL CHECK (cap_usd >= 0),
+            settled_usd DOUBLE PRECISION NOT NULL DEFAULT 0,
+            unknown_usd DOUBLE PRECISION NOT NULL DEFAULT 0,
+            reserved_usd DOUBLE PRECISION NOT NULL DEFAULT 0 CHECK (reserved_usd >= -1e-9),
+            CHECK (settled_usd + unknown_usd + reserved_usd <= cap_usd + 1e-9)
+        );
+        CREATE TABLE jobs (
+            dataset TEXT NOT NULL,
+            params_hash TEXT NOT NULL,
+            run_id TEXT NOT NULL,
+            budget TEXT NOT NULL REFERENCES budgets (name),
+            job TEXT NOT NULL,
+            api_url TEXT NOT NULL,
+            state TEXT NOT NULL DEFAULT 'open' CHECK (state IN ('open', 'closed')),
+            opened_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+            PRIMARY KEY (dataset, params_hash)
+        );
+        CREATE TABLE workers (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            host TEXT NOT NULL,
+            pid INTEGER NOT NULL,
+            dataset TEXT NOT NULL,
+            params_hash TEXT NOT NULL,
+            budget TEXT NOT NULL REFERENCES budgets (name),
+            started_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+            heartbeat_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+            alive BOOLEAN NOT NULL DEFAULT true,
+            leased_usd DOUBLE PRECISION NOT NULL DEFAULT 0,
+            retired_at TIMESTAMPTZ,
+            retired_why TEXT,
+            FOREIGN KEY (dataset, params_hash) REFERENCES jobs
+        );
+        CREATE TABLE work (
+            dataset TEXT NOT NULL,
+            params_hash TEXT NOT NULL,
+            record_id TEXT NOT NULL,
+            position INTEGER NOT NULL,
+            prompt TEXT NOT NULL,
+            state TEXT NOT NULL DEFAULT 'todo' CHECK (state IN ('todo', 'claimed', 'done', 'failed', 'skipped')),
+            owner BIGINT REFERENCES workers (id),
+            epoch INTEGER NOT NULL DEFAULT 0,
+            PRIMARY KEY (dataset, params_hash, record_id),
+            FOREIGN KEY (dataset, params_hash) REFERENCES jobs
+        );
+        CREATE INDEX work_todo ON work (dataset, params_hash, position) WHERE state = 'todo';
+        CREATE INDEX work_claimed ON work (owner) WHERE state = 'claimed';
+        """,
+    )
+
+
+MIGRATIONS = (*SHARED_MIGRATIONS, shared_work)
+"""The schema both backends share, then what only a shared ledger has."""
+
+CLAIMED = """EXISTS (SELECT 1 FROM work WHERE dataset = %s AND params_hash = %s AND record_id = %s
+                            AND owner = %s AND epoch = %s AND state = 'claimed' FOR SHARE)"""
+"""The fence: this worker still holds its claim on the record. ``FOR SHARE`` orders the
+check against a takeover (which updates the row): either the write commits first and the
+takeover sees it, or the takeover commits first and the write finds the claim gone."""
+
+
+@dataclass
+class Fence:
+    """A worker's identity and its claims: what every write of a shared ledger is checked
+    against (``CLAIMED``)."""
+
+    worker: int
+    epochs: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    """(dataset, params hash, record id) -> the epoch of this worker's claim on it."""
+
+    def args(self, dataset: str, params_hash: str, record_id: str) -> tuple[Any, ...]:
+        """The values of ``CLAIMED`` for one record (epoch -1: not ours, so refused)."""
+        return (dataset, params_hash, record_id, self.worker, self.epochs.get((dataset, params_hash, record_id), -1))
+
 
 MIGRATION_LOCK = 0x71_75_61_6E_74
 """The advisory lock key that serialises migrations when several hosts start at once."""
@@ -65,18 +171,73 @@ class PostgresLedger(Ledger):
         self.where = hide_userinfo(url)
         if psycopg is None:
             raise ConfigError(f"{source}: a PostgreSQL ledger needs psycopg: pip install 'quanthunt[postgres]'")
-        options = f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000}"
+        self.application_name = "quanthunt"
+        self._session_lock: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+        self.fence: Fence | None = None
+        """Set by a worker (``quanthunt.shared``): every write is then checked against its claims."""
+        self.reconnects = 0
         try:
-            self._reads = psycopg.connect(url, autocommit=True, options=options, application_name="quanthunt")
-            self._writes = psycopg.connect(url, autocommit=True, options=options, application_name="quanthunt")
+            self._reads = self._connect()
+            self._writes = self._connect()
         except psycopg.Error as exc:
             raise ConfigError(f"{source}: cannot reach the ledger at {self.where} ({hide_userinfo(str(exc)).strip()})") from None
-        self._lock = threading.Lock()
-        self._migrate()
+        self.ride_out(self._migrate)
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        options = f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000}"
+        connection = psycopg.connect(
+            self.url, autocommit=True, options=options, application_name=self.application_name, **CONNECTION
+        )
+        if self._session_lock is not None:
+            connection.execute("SELECT pg_advisory_lock(%s, %s)", self._session_lock)
+        return connection
 
     def close(self) -> None:
         self._reads.close()
         self._writes.close()
+
+    def hold_session_lock(self, space: int, key: int, application_name: str) -> None:
+        """Hold an advisory lock for as long as this process lives (taken again after a
+        reconnect), and name the sessions, so that others can tell it is alive and end
+        its sessions when they presume it dead."""
+        self.application_name = application_name
+        for connection in (self._reads, self._writes):
+            connection.execute("SELECT set_config('application_name', %s, false)", (application_name,))
+        self._reads.execute("SELECT pg_advisory_lock(%s, %s)", (space, key))
+        self._session_lock = (space, key)
+
+    def ride_out(self, operation: Callable[[], T]) -> T:
+        """``operation()``, tried again on fresh connections while the server is away (up to
+        ``RIDE_OUT_S``). A transaction whose commit was lost may so run twice: the ledger's
+        operations are upserts or count conservatively (a second attempt row stays
+        unknown, i.e. possibly billed), never a second payment."""
+        deadline = time.monotonic() + RIDE_OUT_S
+        while True:
+            try:
+                return operation()
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.5)
+            with self._lock, contextlib.suppress(psycopg.OperationalError):
+                if self._reads.broken or self._reads.closed:
+                    self._reads = self._connect()
+                if self._writes.broken or self._writes.closed:
+                    self._writes = self._connect()
+                self.reconnects += 1
+
+    def transact(self, body: Callable[[Transaction], T]) -> T:
+        """``body(tx)`` in one transaction, ridden out like any operation (``ride_out``)."""
+
+        def once() -> T:
+            with self.transaction() as tx:
+                return body(tx)
+
+        return self.ride_out(once)
+
+    def commit(self, ops: Sequence[Operation]) -> list[Any]:
+        return self.ride_out(lambda: super(PostgresLedger, self).commit(ops))
 
     def _migrate(self) -> None:
         with self.transaction() as tx:
@@ -97,28 +258,73 @@ class PostgresLedger(Ledger):
             yield _Tx(cursor)
 
     def query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        return self._reads.execute(_placeholders(sql), args).fetchall()
+        return self.ride_out(lambda: self._reads.execute(_placeholders(sql), args).fetchall())
 
-    def _start(self, tx: Transaction, ops: Sequence[StartAttempt]) -> list[int]:
+    def _start(self, tx: Transaction, ops: Sequence[StartAttempt]) -> list[int | None]:
         assert isinstance(tx, _Tx)
         now = time.time()
+        fence = self.fence
+        claimed = CLAIMED if fence is not None else "TRUE"
+        rows = [
+            (*op.key.tuple(), op.reserved_usd, now, now,
+             *(fence.args(op.key.dataset, op.key.params_hash, op.key.record_id) if fence else ()),
+             op.run_id, now, op.reserved_usd, fence.worker if fence else None)
+            for op in ops
+        ]  # fmt: skip
         tx.cursor.executemany(
-            """WITH request AS (
+            f"""WITH request AS (
                    INSERT INTO requests (dataset, record_id, turn, params_hash, state, attempts, reserved_usd,
                                          created_at, updated_at)
-                   VALUES (%s, %s, %s, %s, 'in_flight', 1, %s, %s, %s)
+                   SELECT %s, %s, %s, %s, 'in_flight', 1, %s, %s, %s WHERE {claimed}
                    ON CONFLICT (dataset, record_id, turn, params_hash) DO UPDATE SET state='in_flight',
                                 attempts=requests.attempts+1, reserved_usd=excluded.reserved_usd,
                                 updated_at=excluded.updated_at
                    RETURNING dataset, record_id, turn, params_hash, attempts)
-               INSERT INTO attempts (dataset, record_id, turn, params_hash, attempt, run_id, started_at, reserved_usd)
-               SELECT dataset, record_id, turn, params_hash, attempts, %s, %s, %s FROM request
-               RETURNING id""",
-            [(*op.key.tuple(), op.reserved_usd, now, now, op.run_id, now, op.reserved_usd) for op in ops],
+               INSERT INTO attempts (dataset, record_id, turn, params_hash, attempt, run_id, started_at, reserved_usd, worker)
+               SELECT dataset, record_id, turn, params_hash, attempts, %s, %s, %s, %s::bigint FROM request
+               RETURNING id""",  # noqa: S608 - the fence is fixed text
+            rows,
             returning=True,
         )
-        ids = []
+        ids: list[int | None] = []
         while True:
-            ids.append(int(tx.cursor.fetchone()[0]))  # type: ignore[index]
+            row = tx.cursor.fetchone()
+            ids.append(int(row[0]) if row is not None else None)
             if not tx.cursor.nextset():
                 return ids
+
+    def _apply(self, tx: Transaction, kind: type, ops: list[Any]) -> list[Any]:
+        """On a fenced ledger, a finished attempt's cost is always kept (money spent is a
+        fact), but its request and the record's line are written only under the claim."""
+        fence = self.fence
+        if fence is None or kind not in (FinishAttempt, WriteRecords):
+            return super()._apply(tx, kind, ops)
+        now = time.time()
+        if kind is FinishAttempt:
+            tx.executemany(FINISH[0], [op.attempt_row(now) for op in ops])
+            tx.executemany(
+                f"{FINISH[1]} AND {CLAIMED.replace('%s', '?')}",
+                [(*op.request_row(now), *fence.args(op.key.dataset, op.key.params_hash, op.key.record_id)) for op in ops],
+            )
+            return [None] * len(ops)
+        assert isinstance(tx, _Tx)
+        results = []
+        for op in ops:
+            written = set()
+            for record_id, line, sha in op.lines:
+                claim = fence.args(op.dataset, op.params_hash, record_id)
+                tx.cursor.execute(
+                    f"""INSERT INTO records SELECT %s, %s, %s, %s, %s, %s WHERE {CLAIMED}
+                        ON CONFLICT (dataset, record_id, params_hash) DO UPDATE
+                        SET line_sha256=excluded.line_sha256, line=excluded.line, written_at=excluded.written_at
+                        RETURNING record_id""",  # noqa: S608 - the fence is fixed text
+                    (op.dataset, record_id, op.params_hash, sha, line, now, *claim),
+                )
+                if tx.cursor.fetchone() is not None:
+                    tx.cursor.execute(
+                        "UPDATE work SET state = 'done' WHERE dataset = %s AND params_hash = %s AND record_id = %s",
+                        claim[:3],
+                    )
+                    written.add(record_id)
+            results.append(written)
+        return results

@@ -78,8 +78,8 @@ class SqliteLedger(Ledger):
     def query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         return self.db.execute(sql, args).fetchall()
 
-    def _start(self, tx: Transaction, ops: Sequence[StartAttempt]) -> list[int]:
-        ids = []
+    def _start(self, tx: Transaction, ops: Sequence[StartAttempt]) -> list[int | None]:
+        ids: list[int | None] = []
         now = time.time()
         for op in ops:
             ((attempt,),) = tx.execute(

@@ -155,6 +155,9 @@ class RecordSink:
         self._wakeup.set()
         return future
 
+    def finished(self, record_id: str, state: str) -> None:
+        """A record ended without a line: nothing to note, the next run tries it again."""
+
     async def drain(self) -> None:
         """Wait until every record handed over is written (or failed)."""
         if self._outstanding:
