@@ -111,16 +111,26 @@ class Progress:
     """Live counters of a run (the progress display and the summary read them)."""
 
     records_total: int = 0
+    """Records of the dataset to generate (``generate.max_records`` of them at most), done or not."""
     records_done_before: int = 0
+    """Records earlier runs finished (this one resumes after them)."""
     records_done: int = 0
+    """Records this run finished: every turn answered and the line written."""
     records_failed: int = 0
+    """Records given up on this run (a turn failed for good); a later run tries them again."""
     records_skipped: int = 0
+    """Records never sent: ``skipped_reasons`` says why."""
     requests_ok: int = 0
     in_flight: int = 0
+    """Requests sent and not answered yet."""
     output_tokens_before: int = 0
+    """Completion tokens of the turns earlier runs answered (the dataset's token budget counts both)."""
     output_tokens: int = 0
+    """Completion tokens of the replies this run kept."""
     retries: Counter[str] = field(default_factory=Counter)
+    """Attempts retried, by what went wrong."""
     errors: Counter[str] = field(default_factory=Counter)
+    """Attempts that failed or whose reply could not be used, by kind, retried or not."""
     providers: Counter[str] = field(default_factory=Counter)
     """Replies by endpoint tag."""
     quarantined: int = 0

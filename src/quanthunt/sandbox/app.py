@@ -67,11 +67,19 @@ class Stats:
     """What the sandbox did, for reconciliation and load tests (``/api/v1/sandbox/stats``)."""
 
     requests: int = 0
+    """Chat completion requests received, whatever became of them: refused (a bad request, no
+    endpoint, no credit), failed at every fallback, or served."""
     in_flight: int = 0
+    """Chat completion requests not answered yet."""
     peak_in_flight: int = 0
+    """The most ``in_flight`` has been at once."""
     served: Counter[str] = field(default_factory=Counter)
+    """Requests each endpoint tag served (the one that answered, after any fallbacks), counted
+    when done; an injected fault may still have spoiled the reply."""
     faults: Counter[str] = field(default_factory=Counter)
+    """Injected faults by ``<tag>:<kind>``, or ``gateway:<kind>`` for the gateway's own."""
     precisions: Counter[str] = field(default_factory=Counter)
+    """Those requests by the precision that really served them."""
     admitted: Counter[str] = field(default_factory=Counter)
     """Chat requests each endpoint tag began serving, counted before any await (``served``
     counts them done), so a provider's drift after N requests falls at the same request each run."""
