@@ -236,20 +236,27 @@ class Policy(_Section):
     ignore_providers: tuple[str, ...]
     """Provider names, slugs or tags never to use."""
     max_prompt_usd_per_m: float | None = Field(ge=0)
+    """Highest prompt price accepted, USD per million tokens (null: any)."""
     max_completion_usd_per_m: float | None = Field(ge=0)
+    """Highest completion price accepted, USD per million tokens (null: any)."""
     min_uptime: float = Field(ge=0, le=100)
     """Minimum ``uptime_last_30m`` in percent."""
     min_status: int = Field(le=0)
     """Lowest endpoint status accepted (0 healthy, -1/-2 degraded, -3 and below down)."""
     require_logprobs: bool
+    """Exclude endpoints that do not return logprobs (false: verification audits them in sample mode)."""
 
 
 class PurchasePlan(_Section):
     """What the team wants to buy, and with how much money."""
 
     usd: float = Field(gt=0)
+    """The money for the whole purchase, in USD: the survey prices the target (``datasets`` ×
+    ``output_tokens_per_dataset`` output tokens and their prompt tokens) at each provider against it."""
     datasets: int = Field(ge=1)
+    """Datasets the purchase is for."""
     output_tokens_per_dataset: int = Field(ge=1)
+    """Output (completion) tokens to buy for each dataset."""
     input_tokens_per_output_token: float = Field(ge=0)
     """Prompt tokens sent per output token bought, to estimate input cost (0: ignore it)."""
 
