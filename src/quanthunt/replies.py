@@ -27,18 +27,28 @@ Money = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class PricingOverride(_Reply):
+    """A conditional price (``pricing.overrides[]``): the survey notes its condition and
+    prices the endpoint at its default prices."""
+
     min_prompt_tokens: Count | None = None
+    """Applies to requests whose prompt has at least this many tokens (None: on some other condition)."""
     prompt: str | None = None
+    """USD per prompt token while it applies (None: the default price)."""
     completion: str | None = None
+    """USD per completion token while it applies (None: the default price)."""
 
     _check = field_validator("prompt", "completion")(check_price)
 
 
 class Pricing(_Reply):
+    """An endpoint's prices (``pricing``): decimal strings of USD per token, before ``discount``."""
+
     prompt: str
     completion: str
     request: str | None = None
+    """USD per request, where the endpoint charges one (the survey's prices leave it out)."""
     discount: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
+    """Share taken off every price."""
     overrides: list[PricingOverride] = Field(default_factory=list)
 
     _check = field_validator("prompt", "completion", "request")(check_price)

@@ -52,13 +52,18 @@ class PriceOverride(_Strict):
 
 
 class Pricing(_Strict):
-    """USD per token as decimal strings (OpenRouter's convention), plus a discount."""
+    """What a request costs at an endpoint: USD per token as decimal strings (OpenRouter's
+    convention) and per request, less ``discount``; ``overrides`` reprice long prompts."""
 
     prompt: str
     completion: str
     request: str = "0"
+    """USD per request, on top of its tokens."""
     discount: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share taken off every price, the per-request one included."""
     overrides: tuple[PriceOverride, ...] = ()
+    """Tried in order: each one whose ``min_prompt_tokens`` a request reaches replaces the
+    prices it sets, so a later entry wins over an earlier one."""
 
     _check = field_validator("prompt", "completion", "request")(check_price)
 
