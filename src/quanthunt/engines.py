@@ -51,12 +51,9 @@ class VllmServer(ChildServer):
         self._log: IO[bytes] | None = None
 
     @property
-    def root_url(self) -> str:
-        return f"http://{SANDBOX_HOST}:{self.port}"
-
-    @property
     def base_url(self) -> str:
-        return f"{self.root_url}/v1"
+        """Its OpenAI-compatible API (set ``reference.base_url`` to it)."""
+        return f"{self.url}/v1"
 
     def command(self, weights: Path) -> list[str]:
         return [
@@ -74,6 +71,7 @@ class VllmServer(ChildServer):
         if self.port == 0:
             with contextlib.closing(bind(SANDBOX_HOST, 0)) as sock:
                 self.port = int(sock.getsockname()[1])
+        self.url = f"http://{SANDBOX_HOST}:{self.port}"
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = self.log_path.open("ab")
@@ -90,7 +88,7 @@ class VllmServer(ChildServer):
             if self._proc.poll() is not None:
                 break
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.root_url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
             time.sleep(1.0)
         reason = "exited" if self._proc.poll() is not None else f"not ready after {timeout_s:.0f} s"

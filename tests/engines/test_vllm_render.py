@@ -47,7 +47,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
 
 
 def post(server: VllmServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    reply = httpx.post(server.root_url + path, json=body, timeout=120)
+    reply = httpx.post(server.url + path, json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     return dict(reply.json())
 

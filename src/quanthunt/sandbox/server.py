@@ -42,10 +42,12 @@ def bind(host: str, port: int) -> socket.socket:
 class ChildServer(abc.ABC):
     """A server run in a child process, with its log: ``stop`` (or leaving ``with``) sends
     SIGTERM (to its whole process group with ``group``), SIGKILL after ``grace_s``, reaps
-    it and closes the log. Subclasses set ``_proc`` and ``_log`` in ``start``."""
+    it and closes the log. Subclasses set ``_proc``, ``_log`` and ``url`` in ``start``."""
 
     grace_s = 10.0
     group = False
+    url = ""
+    """Where it serves, ``http://host:port`` (its routes are below it); empty until started."""
     _proc: subprocess.Popen[Any] | None = None
     _log: IO[Any] | None = None
 
@@ -166,7 +168,6 @@ class SandboxProcess(ChildServer):
     ) -> None:
         self.roster, self.mode, self.host, self.port = roster, mode, host, port
         self.log_path = log_path
-        self.url = ""
         self._proc: subprocess.Popen[str] | None = None
         self._log: IO[str] | None = None
         self._log_start = 0
