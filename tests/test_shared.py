@@ -199,7 +199,7 @@ def test_a_run_stops_at_the_teams_cap_across_workers(connect: Callable[[], Postg
         )
 
     shares = asyncio.run(everyone())
-    assert all("budget" in (e.progress.stop_reason or "") for _, e in shares), [e.progress.stop_reason for _, e in shares]
+    assert all("team's" in (e.progress.stop_reason or "") for _, e in shares), [e.progress.stop_reason for _, e in shares]
     spend = ledger.spend(dataset="chat")
     assert 0 < spend.settled_usd + spend.unknown_usd <= 2e-4
     assert work_left(ledger, "chat", HASH)["todo"] > 0

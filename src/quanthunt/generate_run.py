@@ -20,12 +20,14 @@ from rich.table import Table
 
 from quanthunt.aiohttp_chat import AiohttpChat
 from quanthunt.connection import Targets
+from quanthunt.coordinator import coordinate
 from quanthunt.errors import EXIT_INTERRUPTED, EXIT_OUT_OF_BUDGET, ConfigError
 from quanthunt.gateway import Gateway, GatewayError, Routing, resolve_api_key
 from quanthunt.generation import Engine, StopRun, reconcile_earlier
 from quanthunt.interrupts import StopSignals
 from quanthunt.jobs import Eligible, Job, Progress, dataset_params_hash
 from quanthunt.ledger import LedgerWriter, open_ledger
+from quanthunt.ledger_postgres import PostgresLedger
 from quanthunt.monitoring import LOGPROB_TOP, UNLOGGED, Monitoring, check_reference, monitors_for, stopped_providers
 from quanthunt.params import Params
 from quanthunt.prompts import PromptRecord, iter_prompts
@@ -144,6 +146,12 @@ async def run(
     )
     files = paths.of(root, dataset)
     prompts = files.prompts
+    if isinstance(ledger, PostgresLedger):
+        try:
+            return await coordinate(params, root, job, limited(prompts, g.max_records, frozenset()), targets=targets,
+                                    console=console, ledger=ledger, total=total)  # fmt: skip
+        finally:
+            ledger.close()
     output = files.working(params_hash)
     adopt_published(files.generated, output, params_hash)
     recovered = ledger.recover(dataset)

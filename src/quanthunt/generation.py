@@ -383,7 +383,7 @@ class Engine:
             if not self.budget.reserve(worst) and not await self._leased(worst):
                 cap = f"the run's spending cap (generate.max_usd_per_run ${job.max_usd:g})"
                 if self.lease is not None:
-                    cap = "the run's or the team's budget in the shared ledger"
+                    cap += " or the team's (survey.budget.usd, in the shared ledger)"
                 self.stop(f"{cap} would be exceeded")
                 return None
             attempt_id: int | None = await self.writer.write(StartAttempt(key, run_id=job.run_id, reserved_usd=worst))

@@ -210,11 +210,35 @@ class Tracking(_Section):
     experiment: str = Field(min_length=1)
 
 
+class Coordination(_Section):
+    """How the hosts working one job on a shared ledger keep time with each other
+    (``quanthunt.shared``; published with the job, so workers need no params file)."""
+
+    heartbeat_s: float = Field(gt=0)
+    """A worker says it is alive this often (and reaps the dead while at it)."""
+    dead_after_s: float = Field(gt=0)
+    """A worker whose heartbeat is this old, by the server's clock, is presumed dead."""
+    claim: int = Field(ge=1)
+    """Records a worker claims at once."""
+    lease_requests: int = Field(ge=1)
+    """A budget lease covers this many requests at their worst-case cost."""
+
+    @model_validator(mode="after")
+    def _beats_before_death(self) -> Coordination:
+        if self.dead_after_s < 3 * self.heartbeat_s:
+            raise ValueError("dead_after_s must be at least 3 heartbeats (a late beat is not a death)")
+        return self
+
+
 class LedgerSettings(_Section):
     """Where the request ledger is (``quanthunt.ledger``): a SQLite file for one host, or a
     PostgreSQL database that many hosts share. ``$QUANTHUNT_LEDGER_URL`` overrides it."""
 
     url: str
+    team: str = Field(min_length=1, max_length=200)
+    """On a shared ledger: the team budget every run draws from, capped at
+    ``survey.budget.usd`` (runs of one team, whoever starts them, share it)."""
+    coordination: Coordination
 
     @field_validator("url")
     @classmethod

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import os
 import socket
@@ -48,26 +47,13 @@ from quanthunt.errors import ConfigError
 from quanthunt.jobs import Job
 from quanthunt.ledger import Earlier, LedgerWriter, Transaction, WriteRecords, billing_of
 from quanthunt.ledger_postgres import CLAIMED, Fence, PostgresLedger
+from quanthunt.params import Coordination
 from quanthunt.prompts import PromptRecord, Turn
 
 WORKER_LOCKS = 0x7168
 """The advisory-lock space of worker sessions (key 1; key 2 is the worker's id)."""
 
 JOB = TypeAdapter(Job)
-
-
-@dataclass(frozen=True)
-class Coordination:
-    """How the hosts of one job keep time with each other (published with the job)."""
-
-    heartbeat_s: float = 2.0
-    """A worker says it is alive this often (and reaps the dead while at it)."""
-    dead_after_s: float = 15.0
-    """A worker whose heartbeat is this old, by the server's clock, is presumed dead."""
-    claim: int = 64
-    """Records a worker claims at once."""
-    lease_requests: int = 256
-    """A budget lease covers this many requests at their worst-case cost."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +87,7 @@ def publish(ledger: PostgresLedger, published: Published, records: Iterable[Prom
     if run_name != run_budget(job.run_id):
         raise ValueError(f"a run's budget is named after it: {run_budget(job.run_id)!r}, not {run_name!r}")
     row = orjson.dumps(
-        {"job": JOB.dump_python(job, mode="json"), "coordination": dataclasses.asdict(published.coordination),
+        {"job": JOB.dump_python(job, mode="json"), "coordination": published.coordination.model_dump(),
          "api_url": published.api_url, "request_timeout_s": published.request_timeout_s,
          "stop_grace_s": published.stop_grace_s}
     ).decode()  # fmt: skip
@@ -158,7 +144,7 @@ def find_job(ledger: PostgresLedger, dataset: str | None = None) -> Published | 
         return None
     body = orjson.loads(rows[0][0])
     job = JOB.validate_python(body["job"])
-    return Published(job, body["api_url"], run_budget(job.run_id), Coordination(**body["coordination"]),
+    return Published(job, body["api_url"], run_budget(job.run_id), Coordination.model_validate(body["coordination"]),
                      request_timeout_s=body["request_timeout_s"], stop_grace_s=body["stop_grace_s"])  # fmt: skip
 
 

@@ -8,7 +8,7 @@ import sys
 
 import typer
 
-from quanthunt.cli import compare, reference, sandbox, stages
+from quanthunt.cli import compare, reference, sandbox, stages, worker
 from quanthunt.errors import EXIT_INTERRUPTED, QuanthuntError
 from quanthunt.redaction import redact
 
@@ -23,6 +23,7 @@ app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(reference.app, name="reference")
 stages.register(app)
 app.command(rich_help_panel="Provenance")(compare.compare)
+app.command(rich_help_panel="Scale-out")(worker.worker)
 
 
 _received: list[str] = []

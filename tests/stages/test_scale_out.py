@@ -1,0 +1,160 @@
+"""Scale-out on a shared PostgreSQL ledger, as real processes: the generate stage as the
+coordinator and `quanthunt worker` processes against a latency-mode sandbox and a real
+PostgreSQL server. Workers are killed with SIGKILL, stopped with SIGSTOP past their lease,
+and the server is restarted mid-run; afterwards no record is lost or written twice, the
+sandbox charged no more than the ledger accounts for, and nothing exceeds the team's cap.
+``benchmarks/scale_out_trials.py`` runs the kill loop over many seeded trials."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from fixtures.generation import GenerationBed
+from fixtures.project import BIN
+
+TEAM_CAP = 0.5
+COORDINATION = {"heartbeat_s": 0.3, "dead_after_s": 1.5, "claim": 8, "lease_requests": 16}
+
+
+@dataclass
+class Fleet:
+    """A coordinator (`quanthunt generate`) and its workers on one shared ledger."""
+
+    bed: GenerationBed
+    url: str
+    coordinator: subprocess.Popen[str] | None = None
+    workers: list[subprocess.Popen[str]] | None = None
+
+    def start(self, workers: int, *, concurrency: int = 8) -> None:
+        root, env = self.bed.project.root, self.bed.project.env
+        self.coordinator = subprocess.Popen(
+            [str(BIN / "quanthunt"), "generate", self.bed.dataset, "--params", "params.yaml"], cwd=root, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self.wait_for_job()
+        self.workers = [self.worker(concurrency) for _ in range(workers)]
+
+    def worker(self, concurrency: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [str(BIN / "quanthunt"), "worker", "--concurrency", str(concurrency)], cwd="/", env=self.bed.project.env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def wait_for_job(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.coordinator is not None and self.coordinator.poll() is None, self.coordinator_output()
+            try:
+                if self.rows("SELECT 1 FROM jobs WHERE state = 'open'"):
+                    return
+            except psycopg.errors.UndefinedTable:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("the coordinator never published its job")
+
+    def coordinator_output(self) -> str:
+        assert self.coordinator is not None
+        if self.coordinator.poll() is None:
+            return "(still running)"
+        out, err = self.coordinator.communicate()
+        return f"exit {self.coordinator.returncode}\n{out}\n{err}"
+
+    def finish(self, timeout_s: float = 300) -> int:
+        assert self.coordinator is not None
+        try:
+            self.coordinator.wait(timeout=timeout_s)
+        finally:
+            for proc in self.workers or []:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        return self.coordinator.returncode
+
+    def rows(self, sql: str) -> list[tuple[object, ...]]:
+        with psycopg.connect(self.url, autocommit=True) as db:
+            return db.execute(sql).fetchall()  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def fleet(generation_bed: Callable[..., GenerationBed], postgres_url: str) -> Iterator[Callable[..., Fleet]]:
+    made: list[Fleet] = []
+
+    def build(*, records: int = 120, latency_ms: float = 200) -> Fleet:
+        bed = generation_bed(
+            records=records,
+            latency_ms=latency_ms,
+            params={"generate.concurrency": 8, "generate.monitor.share": 0, "generate.request_timeout_s": 5,
+                    "survey.budget.usd": TEAM_CAP, "ledger.coordination": COORDINATION, "ledger.team": "ml"},
+        )  # fmt: skip
+        bed.project.env["QUANTHUNT_LEDGER_URL"] = postgres_url
+        made.append(Fleet(bed, postgres_url))
+        return made[-1]
+
+    yield build
+    for each in made:
+        for proc in [each.coordinator, *(each.workers or [])]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def check(fleet: Fleet, records: int) -> dict[str, float]:
+    """Every record written once, in the published file and the ledger; every charge
+    accounted; nothing over the team's cap."""
+    lines = fleet.bed.output.read_text().splitlines()
+    ids = [json.loads(line)["id"] for line in lines]
+    assert len(ids) == len(set(ids)) == records, (len(ids), len(set(ids)))
+    ((written,),) = fleet.rows("SELECT COUNT(*) FROM records")
+    assert written == records
+    ((settled, unknown),) = fleet.rows(
+        "SELECT COALESCE(SUM(cost_usd), 0), "
+        "COALESCE(SUM(CASE WHEN outcome = 'unknown' OR outcome IS NULL THEN reserved_usd END), 0) FROM attempts"
+    )
+    charged = fleet.bed.charged_usd()
+    assert settled - 1e-9 <= charged <= settled + unknown + 1e-9, (settled, unknown, charged)
+    assert settled + unknown <= TEAM_CAP + 1e-9
+    (row,) = fleet.rows("SELECT settled_usd + unknown_usd + reserved_usd, cap_usd FROM budgets WHERE name = 'team:ml'")
+    assert row[0] <= row[1] + 1e-9  # type: ignore[operator]
+    return {"settled": float(settled), "unknown": float(unknown), "charged": charged}
+
+
+def test_three_workers_and_the_coordinator_share_one_dataset(fleet: Callable[..., Fleet]) -> None:
+    crew = fleet()
+    crew.start(3)
+    sessions = crew.rows(
+        "SELECT application_name, COUNT(*) FROM pg_stat_activity WHERE application_name LIKE 'quanthunt-worker-%' GROUP BY 1"
+    )
+    assert crew.finish() == 0, crew.coordinator_output()
+    check(crew, 120)
+    assert all(n <= 2 for _, n in sessions), sessions
+    served = dict(crew.rows("SELECT worker, COUNT(*) FROM attempts GROUP BY worker"))
+    assert len(served) >= 2, served  # the work was shared
+
+
+def test_workers_killed_at_random_instants_lose_and_duplicate_nothing(fleet: Callable[..., Fleet]) -> None:
+    import random
+
+    crew = fleet(records=200, latency_ms=300)
+    crew.start(3)
+    rng = random.Random(17)
+    kills = 0
+    assert crew.workers is not None
+    while crew.coordinator is not None and crew.coordinator.poll() is None and kills < 6:
+        time.sleep(rng.uniform(0.5, 2.0))
+        victim = rng.randrange(len(crew.workers))
+        crew.workers[victim].send_signal(signal.SIGKILL)
+        crew.workers[victim].wait()
+        crew.workers[victim] = crew.worker(8)
+        kills += 1
+    assert crew.finish() == 0, crew.coordinator_output()
+    assert kills >= 3
+    check(crew, 200)
+    retired = crew.rows("SELECT COUNT(*) FROM workers WHERE retired_why LIKE 'presumed dead%'")
+    assert retired[0][0] >= 1  # type: ignore[operator]
