@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fixtures.generation import write_prompts
-from fixtures.params import SHIPPED
+from fixtures.params import SHIPPED, changed
 from fixtures.records import writing
 from fixtures.signals import deliver
 from fixtures.verdicts import provider_verdict, verdicts_of
@@ -149,9 +149,9 @@ def test_max_records_counts_the_files_first_records_finished_or_not(tmp_path: Pa
 # -- an engine that has run (its counters set as a run leaves them) -------------------------------------------------------
 
 ALPHA = Eligible("Alpha", "alpha/int4", "int4", "equivalent", 0.5e-6, 2e-6, 8192)
-JOB = Job(dataset="chat", model=PARAMS.survey.model, sampling=PARAMS.generate.sampling, providers=(ALPHA,),
-          routing=Routing(data_collection="deny"), params_hash="p" * 64, run_id="run", max_usd=5.0,
-          max_output_tokens=100_000, concurrency=4, retry=PARAMS.generate.retry, verification_run_id="verify-run")  # fmt: skip
+JOB = Job(dataset="chat", model=PARAMS.survey.model, providers=(ALPHA,), routing=Routing(data_collection="deny"),
+          params_hash="p" * 64, run_id="run", concurrency=4, verification_run_id="verify-run",
+          settings=changed(PARAMS.generate, max_usd_per_run=5.0, max_output_tokens=100_000, concurrency=4))  # fmt: skip
 
 
 class NoChat:

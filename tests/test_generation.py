@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.params import changed
+from fixtures.params import SHIPPED, changed
 from fixtures.records import writing
 
 from quanthunt.gateway import Routing
@@ -36,10 +36,10 @@ PROVIDER = Eligible("Moonshot AI", "moonshotai/int4", "int4", "equivalent", 1e-6
 
 def job(concurrency: int = 4, *, ramp_up_s: float = 0.0, max_usd: float = 10.0,
         providers: tuple[Eligible, ...] = (PROVIDER,)) -> Job:  # fmt: skip
-    return Job(dataset="chat", model="m", sampling=SAMPLING, providers=providers,
-               routing=Routing(data_collection="deny"), params_hash=HASH, run_id="run", max_usd=max_usd,
-               max_output_tokens=None, concurrency=concurrency, retry=RETRY, verification_run_id="v",
-               ramp_up_s=ramp_up_s)  # fmt: skip
+    settings = changed(SHIPPED.generate, sampling=SAMPLING, retry=RETRY, max_usd_per_run=max_usd, max_output_tokens=None,
+                       concurrency=concurrency, ramp_up_s=ramp_up_s)  # fmt: skip
+    return Job(dataset="chat", model="m", providers=providers, routing=Routing(data_collection="deny"), params_hash=HASH,
+               run_id="run", settings=settings, concurrency=concurrency, verification_run_id="v")  # fmt: skip
 
 
 class FixedCostChat:
@@ -272,7 +272,8 @@ def test_an_empty_answer_is_asked_again_with_the_larger_budget_the_params_allow(
     """``generate.retry.empty_answer_max_tokens``: the turn whose thinking ate ``max_tokens``
     is asked again with room for an answer, and its worst case is reserved for it."""
     chat = PinnedChat({PROVIDER.tag: PROVIDER.name}, empty=1)
-    larger = dataclasses.replace(job(), retry=changed(RETRY, max_attempts=3, empty_answer_max_tokens=64))
+    retry = changed(RETRY, max_attempts=3, empty_answer_max_tokens=64)
+    larger = dataclasses.replace(job(), settings=changed(job().settings, retry=retry))
     ran = run_engine(tmp_path, chat, records("r1"), SqliteLedger(tmp_path / "ledger.sqlite"), larger)
     assert [b["max_tokens"] for b in chat.bodies] == [16, 64]
     assert lines(ran.output)[0]["conversations"][1]["content"] == "answer 2"

@@ -39,7 +39,6 @@ def endpoint(tag: str, prompt: float, completion: float, context: int = 8192) ->
 def test_endpoints_weigh_one_over_their_price_squared_and_a_job_plans_for_the_worst() -> None:
     cheap, dear = endpoint("cheap/int4", 1e-7, 1e-7), endpoint("dear/int4", 2e-7, 2e-7, context=4096)
     assert cheap.weight / dear.weight == 4.0
-    job = Job(dataset="chat", model="a/b", sampling=SHIPPED.generate.sampling, providers=(cheap, dear), routing=Routing(),
-              params_hash="0" * 64, run_id="r", max_usd=1.0, max_output_tokens=None, concurrency=1,
-              retry=SHIPPED.generate.retry, verification_run_id=None)  # fmt: skip
+    job = Job(dataset="chat", model="a/b", providers=(cheap, dear), routing=Routing(), params_hash="0" * 64, run_id="r",
+              settings=SHIPPED.generate, concurrency=1, verification_run_id=None)  # fmt: skip
     assert (job.worst_prompt_rate, job.worst_completion_rate, job.context_length) == (2e-7, 2e-7, 4096)

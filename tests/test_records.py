@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from fixtures.params import SHIPPED, changed
 from fixtures.records import writing
 
 from quanthunt.errors import ConfigError
@@ -30,15 +31,19 @@ PARASAIL = Eligible("Parasail", "parasail/unknown", "unknown", "equivalent", 1e-
 JOB = Job(
     dataset="chat",
     model="a/b",
-    sampling=Sampling(temperature=0.6, top_p=0.95, max_tokens=64, seed=None),
     providers=(NOVITA, PARASAIL),
     routing=Routing(),
     params_hash=HASH,
     run_id="r1",
-    max_usd=1.0,
-    max_output_tokens=None,
+    settings=changed(
+        SHIPPED.generate,
+        sampling=Sampling(temperature=0.6, top_p=0.95, max_tokens=64, seed=None),
+        retry=Retry(max_attempts=3, base_delay_s=0.1, max_delay_s=1.0, empty_answer_max_tokens=None),
+        max_usd_per_run=1.0,
+        max_output_tokens=None,
+        concurrency=2,
+    ),
     concurrency=2,
-    retry=Retry(max_attempts=3, base_delay_s=0.1, max_delay_s=1.0, empty_answer_max_tokens=None),
     verification_run_id="verify-1",
 )
 RECORD = PromptRecord("r-1", (Turn("user", "Hi"), Turn("assistant", "old"), Turn("user", "More?"), Turn("assistant", "old")))

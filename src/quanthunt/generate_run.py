@@ -131,16 +131,12 @@ async def run(
     job = Job(
         dataset=dataset,
         model=params.survey.model,
-        sampling=g.sampling,
         providers=providers,
         routing=Routing(data_collection=g.data_collection, quantizations=g.quantizations),
         params_hash=params_hash,
         run_id=uuid.uuid4().hex,
-        max_usd=g.max_usd_per_run,
-        max_output_tokens=g.max_output_tokens,
+        settings=g,
         concurrency=g.concurrency,
-        ramp_up_s=g.ramp_up_s,
-        retry=g.retry,
         verification_run_id=verdicts.verification_run_id,
         reasoning=params.reasoning.request(),
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quanthunt.gateway import Routing
-from quanthunt.params import Params, Retry, Sampling
+from quanthunt.params import Generate, Params, Retry, Sampling
 
 
 @dataclass(frozen=True)
@@ -58,24 +58,44 @@ class Job:
 
     dataset: str
     model: str
-    sampling: Sampling
     providers: tuple[Eligible, ...]
     routing: Routing
     """Preferences every request carries (data collection, quantizations); each request
     is pinned to one endpoint on top of them."""
     params_hash: str
     run_id: str
-    max_usd: float
-    """Hard cap on this run's spend (settled plus possibly-billed)."""
-    max_output_tokens: int | None
-    """Token budget of the dataset (all runs together)."""
+    settings: Generate
+    """The ``generate`` section the run was started with: its sampling, budgets, retry
+    bounds and ramp are read through the properties below (one place, published whole)."""
     concurrency: int
-    retry: Retry
+    """Requests in flight on this host: ``settings.concurrency``, unless a worker asks for
+    its own (``quanthunt worker --concurrency``; the published job keeps the coordinator's)."""
     verification_run_id: str | None
-    ramp_up_s: float = 0.0
-    """The first wave is spread over this long: worker k starts after k/concurrency of it."""
     reasoning: Mapping[str, Any] | None = None
     """The request's ``reasoning`` object (``Reasoning.request()``: thinking off, or unset)."""
+
+    @property
+    def sampling(self) -> Sampling:
+        return self.settings.sampling
+
+    @property
+    def max_usd(self) -> float:
+        """Hard cap on this run's spend (settled plus possibly-billed)."""
+        return self.settings.max_usd_per_run
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        """Token budget of the dataset (all runs together)."""
+        return self.settings.max_output_tokens
+
+    @property
+    def ramp_up_s(self) -> float:
+        """The first wave is spread over this long: worker k starts after k/concurrency of it."""
+        return self.settings.ramp_up_s
+
+    @property
+    def retry(self) -> Retry:
+        return self.settings.retry
 
     @property
     def worst_prompt_rate(self) -> float:
