@@ -20,7 +20,7 @@ from fixtures.generation import write_prompts
 from fixtures.params import SHIPPED, changed
 from fixtures.records import writing
 from fixtures.signals import deliver
-from fixtures.verdicts import provider_verdict, verdicts_of
+from fixtures.verdicts import eligible, provider_verdict, verdicts_of
 from rich.console import Console
 
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OUT_OF_BUDGET, ConfigError
@@ -37,7 +37,7 @@ from quanthunt.generate_run import (
 )
 from quanthunt.generation import Engine, StopRun
 from quanthunt.interrupts import StopSignals
-from quanthunt.jobs import Eligible, Job
+from quanthunt.jobs import Job
 from quanthunt.ledger_sqlite import SqliteLedger
 from quanthunt.replies import ChatReply
 from quanthunt.survey import ProviderRow, providers_csv
@@ -148,7 +148,7 @@ def test_max_records_counts_the_files_first_records_finished_or_not(tmp_path: Pa
 
 # -- an engine that has run (its counters set as a run leaves them) -------------------------------------------------------
 
-ALPHA = Eligible("Alpha", "alpha/int4", "int4", "equivalent", 0.5e-6, 2e-6, 8192)
+ALPHA = eligible("Alpha", "alpha/int4", "int4", 0.5e-6, 2e-6, 8192)
 JOB = Job(dataset="chat", model=PARAMS.survey.model, providers=(ALPHA,), routing=Routing(data_collection="deny"),
           params_hash="p" * 64, run_id="run", concurrency=4, verification_run_id="verify-run",
           settings=changed(PARAMS.generate, max_usd_per_run=5.0, max_output_tokens=100_000, concurrency=4))  # fmt: skip

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from fixtures.params import SHIPPED, changed
 from fixtures.records import writing
+from fixtures.verdicts import eligible
 
 from quanthunt.gateway import Routing
 from quanthunt.generation import Engine, quiet_collector
@@ -31,7 +32,7 @@ from quanthunt.replies import ChatReply, Usage
 HASH = "p" * 64
 SAMPLING = Sampling(temperature=0.7, top_p=1.0, max_tokens=16, seed=0)
 RETRY = Retry(max_attempts=2, base_delay_s=0.0, max_delay_s=0.0, empty_answer_max_tokens=None)
-PROVIDER = Eligible("Moonshot AI", "moonshotai/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)
+PROVIDER = eligible("Moonshot AI", "moonshotai/int4", "int4", 1e-6, 2e-6, 8192)
 
 
 def job(concurrency: int = 4, *, ramp_up_s: float = 0.0, max_usd: float = 10.0,
@@ -214,8 +215,8 @@ def test_a_stop_during_the_ramp_ends_the_run_without_waiting_it_out(tmp_path: Pa
 
 def test_each_turn_names_the_endpoint_of_its_provider_that_served_it(tmp_path: Path) -> None:
     # One provider, two endpoints; the base slug's pin ignores the variant (or it could land there).
-    base = Eligible("DeepInfra", "deepinfra", "bf16", "equivalent", 1e-6, 2e-6, 8192, siblings=("deepinfra/turbo",))
-    turbo = Eligible("DeepInfra", "deepinfra/turbo", "fp8", "equivalent", 1e-6, 2e-6, 8192, siblings=("deepinfra",))
+    base = eligible("DeepInfra", "deepinfra", "bf16", 1e-6, 2e-6, 8192, siblings=("deepinfra/turbo",))
+    turbo = eligible("DeepInfra", "deepinfra/turbo", "fp8", 1e-6, 2e-6, 8192, siblings=("deepinfra",))
     chat = PinnedChat({"deepinfra": "DeepInfra", "deepinfra/turbo": "DeepInfra"})
     ids = [f"r{i}" for i in range(30)]
     ran = run_engine(tmp_path, chat, records(*ids), SqliteLedger(tmp_path / "ledger.sqlite"), job(providers=(base, turbo)))
@@ -235,7 +236,7 @@ def test_each_turn_names_the_endpoint_of_its_provider_that_served_it(tmp_path: P
 
 
 def test_a_reply_by_slug_is_kept_and_another_provider_retires_the_endpoint(tmp_path: Path) -> None:
-    fireworks = Eligible("Fireworks", "fireworks/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)
+    fireworks = eligible("Fireworks", "fireworks/int4", "int4", 1e-6, 2e-6, 8192)
     chat = PinnedChat({PROVIDER.tag: "moonshotai", fireworks.tag: "Chutes"})  # Moonshot AI by its slug; "Fireworks" is not
     ids = [f"r{i}" for i in range(12)]
     ran = run_engine(tmp_path, chat, records(*ids), SqliteLedger(tmp_path / "ledger.sqlite"),

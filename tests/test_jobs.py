@@ -5,6 +5,7 @@ a job's worst-case rates."""
 from __future__ import annotations
 
 from fixtures.params import SHIPPED, changed
+from fixtures.verdicts import eligible
 
 from quanthunt.gateway import Routing
 from quanthunt.jobs import Eligible, Job, dataset_params_hash, params_hash
@@ -33,7 +34,7 @@ def test_the_dataset_hash_ignores_what_may_change_between_runs() -> None:
 
 
 def endpoint(tag: str, prompt: float, completion: float, context: int = 8192) -> Eligible:
-    return Eligible(tag, tag, "int4", "equivalent", prompt, completion, context)
+    return eligible(tag, tag, "int4", prompt, completion, context)
 
 
 def test_endpoints_weigh_one_over_their_price_squared_and_a_job_plans_for_the_worst() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from fixtures.params import SHIPPED, changed
 from fixtures.records import writing
+from fixtures.verdicts import eligible
 from test_generation import HASH, PinnedChat, job, lines, records
 
 from quanthunt.errors import EXIT_OUT_OF_BUDGET
@@ -27,8 +28,8 @@ from quanthunt.monitoring import Monitoring, monitor_card
 from quanthunt.replies import ChatReply, TokenLogprob
 from quanthunt.report import DatasetView, monitor_section
 
-A = Eligible("A", "a/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)
-B = Eligible("B", "b/int4", "int4", "equivalent", 1e-6, 2e-6, 8192)
+A = eligible("A", "a/int4", "int4", 1e-6, 2e-6, 8192)
+B = eligible("B", "b/int4", "int4", 1e-6, 2e-6, 8192)
 DRIFT_AFTER = 12
 """Replies b serves faithfully; later ones come from a coarser model."""
 

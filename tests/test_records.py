@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from fixtures.params import SHIPPED, changed
 from fixtures.records import writing
+from fixtures.verdicts import eligible
 
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import Routing
-from quanthunt.jobs import Eligible, Job
+from quanthunt.jobs import Job
 from quanthunt.ledger import Ledger, WriteRecords
 from quanthunt.ledger_sqlite import SqliteLedger
 from quanthunt.params import Retry, Sampling
@@ -26,8 +27,8 @@ from quanthunt.prompts import PromptRecord, Turn
 from quanthunt.records import adopt_published, prepare_output, publish, record_line, sha256_line
 
 HASH = "a" * 64
-NOVITA = Eligible("Novita", "novita/int4", "int4", "equivalent", 1e-7, 4e-7, 8192, verdict_run_id="run-n")
-PARASAIL = Eligible("Parasail", "parasail/unknown", "unknown", "equivalent", 1e-7, 4e-7, 8192, verdict_run_id="run-p")
+NOVITA = eligible("Novita", "novita/int4", "int4", 1e-7, 4e-7, 8192, verdict_run_id="run-n")
+PARASAIL = eligible("Parasail", "parasail/unknown", "unknown", 1e-7, 4e-7, 8192, verdict_run_id="run-p")
 JOB = Job(
     dataset="chat",
     model="a/b",

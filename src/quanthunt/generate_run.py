@@ -55,15 +55,11 @@ def eligible_providers(params: Params, root: Path) -> tuple[tuple[Eligible, ...]
             raise ConfigError(f"{root / params.paths.survey_providers}: {v.tag} is verified but missing; rerun the survey")
         chosen.append(
             Eligible(
-                name=v.provider,
-                tag=v.tag,
-                declared_quantization=v.declared_quantization,
-                verdict=v.verdict,
+                judged=v,
                 prompt_usd_per_token=row.prompt_usd_per_m / 1e6,
                 completion_usd_per_token=row.completion_usd_per_m / 1e6,
                 context_length=row.context_length,
                 siblings=tuple(t for t in survey if t != v.tag),
-                verdict_run_id=v.mlflow_run_id,
             )
         )
     if not chosen:

@@ -16,25 +16,44 @@ from typing import Any
 
 from quanthunt.gateway import Routing
 from quanthunt.params import Generate, Params, Retry, Sampling
+from quanthunt.verdicts import ProviderVerdict
 
 
 @dataclass(frozen=True)
 class Eligible:
-    """An endpoint generation may use, as verification judged it."""
+    """An endpoint generation may use: verification's verdict on it, and what the survey
+    says it charges and holds."""
 
-    name: str
-    """The provider's name (several endpoints may share it)."""
-    tag: str
-    declared_quantization: str
-    verdict: str
+    judged: ProviderVerdict
+    """The endpoint's entry in ``verdicts.json`` (``name``, ``tag``, ``verdict``, ... read it)."""
     prompt_usd_per_token: float
     completion_usd_per_token: float
     context_length: int
     siblings: tuple[str, ...] = ()
     """The gateway's other endpoint tags (``Routing.pin`` ignores the variants a base slug
     would also reach)."""
-    verdict_run_id: str | None = None
-    """The MLflow run that measured this endpoint (nested in the verification run)."""
+
+    @property
+    def name(self) -> str:
+        """The provider's name (several endpoints may share it)."""
+        return self.judged.provider
+
+    @property
+    def tag(self) -> str:
+        return self.judged.tag
+
+    @property
+    def declared_quantization(self) -> str:
+        return self.judged.declared_quantization
+
+    @property
+    def verdict(self) -> str:
+        return self.judged.verdict
+
+    @property
+    def verdict_run_id(self) -> str | None:
+        """The MLflow run that measured this endpoint (nested in the verification run)."""
+        return self.judged.mlflow_run_id
 
     def provenance(self) -> dict[str, str | None]:
         """Who served a turn, as its provenance names it."""
