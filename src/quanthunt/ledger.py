@@ -441,6 +441,21 @@ def open_ledger(params_url: str, root: Path) -> Ledger:
     return PostgresLedger(url, source=source)
 
 
+def resolve_batch(futures: Sequence[asyncio.Future[Any]], results: Sequence[Any] | None = None, *,
+                  error: BaseException | None = None) -> None:  # fmt: skip
+    """Answer the callers of a batch written together: each future with its result (``None``
+    when ``results`` is not given), or every one with ``error``. A future its caller has
+    cancelled meanwhile is left as it is."""
+    outcomes = [None] * len(futures) if results is None else results
+    for future, result in zip(futures, outcomes, strict=True):
+        if future.done():
+            continue
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+
 class LedgerWriter:
     """Group commit: operations queued from the event loop run in one transaction per
     ``interval_s``; ``await writer.write(op)`` returns once ``op`` is committed.
@@ -504,14 +519,10 @@ class LedgerWriter:
             else:
                 results = self.ledger.commit(ops)
         except BaseException as exc:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+            resolve_batch([future for _, future in batch], error=exc)
             return
         self.commits += 1
-        for (_, future), result in zip(batch, results[len(ops) - len(batch) :], strict=True):
-            if not future.done():
-                future.set_result(result)
+        resolve_batch([future for _, future in batch], results[len(ops) - len(batch) :])
 
     async def close(self) -> None:
         """Commit everything queued, then stop."""

@@ -28,7 +28,7 @@ import orjson
 from quanthunt import __version__
 from quanthunt.errors import ConfigError
 from quanthunt.jobs import Eligible, Job
-from quanthunt.ledger import BILLING, Ledger, LedgerWriter, WriteRecords
+from quanthunt.ledger import BILLING, Ledger, LedgerWriter, WriteRecords, resolve_batch
 from quanthunt.prompts import PromptRecord, skeleton
 
 TURN_FIELDS = ("generation_id", "finish_reason", "prompt_tokens", "completion_tokens", "cost_usd", "monitor")
@@ -187,13 +187,9 @@ class RecordSink:
             await self.writer.write(WriteRecords(self.dataset, self.params_hash, lines))
         except Exception as exc:  # every record of the batch, and every later one, fails with it
             self._error = exc
-            for *_, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+            resolve_batch([future for *_, future in batch], error=exc)
             return
-        for *_, future in batch:
-            if not future.done():
-                future.set_result(None)
+        resolve_batch([future for *_, future in batch])
 
     async def close(self) -> None:
         self._closed = True
