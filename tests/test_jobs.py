@@ -1,11 +1,15 @@
 """What a generate run is asked to do: the hash that keys a dataset's records (what their
-content depends on, and nothing else), endpoint weights as OpenRouter balances them, and
-a job's worst-case rates."""
+content depends on, and nothing else), endpoint weights as OpenRouter balances them, a
+job's worst-case rates, and what a job reads from the params section and verdicts it
+holds whole (and reads back equal from the JSON it is published as)."""
 
 from __future__ import annotations
 
+import json
+
 from fixtures.params import SHIPPED, changed
 from fixtures.verdicts import eligible
+from pydantic import TypeAdapter
 
 from quanthunt.gateway import Routing
 from quanthunt.jobs import Eligible, Job, dataset_params_hash, params_hash
@@ -43,3 +47,17 @@ def test_endpoints_weigh_one_over_their_price_squared_and_a_job_plans_for_the_wo
     job = Job(dataset="chat", model="a/b", providers=(cheap, dear), routing=Routing(), params_hash="0" * 64, run_id="r",
               settings=SHIPPED.generate, concurrency=1, verification_run_id=None)  # fmt: skip
     assert (job.worst_prompt_rate, job.worst_completion_rate, job.context_length) == (2e-7, 2e-7, 4096)
+
+
+def test_a_job_reads_its_section_and_verdicts_whole_and_round_trips_as_published() -> None:
+    settings = changed(SHIPPED.generate, max_usd_per_run=2.5, max_output_tokens=1000, ramp_up_s=3.0)
+    novita = eligible("Novita", "novita/int4", "int4", 1e-7, 4e-7, verdict_run_id="run-n")
+    job = Job(dataset="chat", model="a/b", providers=(novita,), routing=Routing(), params_hash="0" * 64, run_id="r",
+              settings=settings, concurrency=9, verification_run_id="v", reasoning={"enabled": False})  # fmt: skip
+    assert (job.sampling, job.max_usd, job.max_output_tokens, job.ramp_up_s, job.retry, job.concurrency) == (
+        settings.sampling, 2.5, 1000, 3.0, settings.retry, 9
+    )  # fmt: skip
+    assert novita.provenance() == {"provider": "Novita", "endpoint_tag": "novita/int4", "declared_quantization": "int4",
+                                   "verdict": "equivalent", "verdict_run_id": "run-n"}  # fmt: skip
+    published = TypeAdapter(Job)
+    assert published.validate_python(json.loads(json.dumps(published.dump_python(job, mode="json")))) == job

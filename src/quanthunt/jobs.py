@@ -8,15 +8,37 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar, cast, overload
 
 from quanthunt.gateway import Routing
 from quanthunt.params import Generate, Params, Retry, Sampling
 from quanthunt.verdicts import ProviderVerdict
+
+T = TypeVar("T")
+
+
+class Held(Generic[T]):
+    """A read-only attribute that one of the object's fields holds: in a class body,
+    ``tag = Held[str]("judged.tag")`` reads ``self.judged.tag``. A job keeps the params
+    section and the verdicts it was made from whole, and its readers read their parts."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._read = operator.attrgetter(path)
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any]) -> Held[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type[Any]) -> T: ...
+    def __get__(self, obj: object | None, owner: type[Any]) -> Held[T] | T:
+        if obj is None:
+            return self
+        return cast(T, self._read(obj))
 
 
 @dataclass(frozen=True)
@@ -25,7 +47,7 @@ class Eligible:
     says it charges and holds."""
 
     judged: ProviderVerdict
-    """The endpoint's entry in ``verdicts.json`` (``name``, ``tag``, ``verdict``, ... read it)."""
+    """The endpoint's entry in ``verdicts.json``, whole: ``name``, ``tag``, ``verdict``, ... read it."""
     prompt_usd_per_token: float
     completion_usd_per_token: float
     context_length: int
@@ -33,27 +55,13 @@ class Eligible:
     """The gateway's other endpoint tags (``Routing.pin`` ignores the variants a base slug
     would also reach)."""
 
-    @property
-    def name(self) -> str:
-        """The provider's name (several endpoints may share it)."""
-        return self.judged.provider
-
-    @property
-    def tag(self) -> str:
-        return self.judged.tag
-
-    @property
-    def declared_quantization(self) -> str:
-        return self.judged.declared_quantization
-
-    @property
-    def verdict(self) -> str:
-        return self.judged.verdict
-
-    @property
-    def verdict_run_id(self) -> str | None:
-        """The MLflow run that measured this endpoint (nested in the verification run)."""
-        return self.judged.mlflow_run_id
+    name = Held[str]("judged.provider")
+    """The provider's name (several endpoints may share it)."""
+    tag = Held[str]("judged.tag")
+    declared_quantization = Held[str]("judged.declared_quantization")
+    verdict = Held[str]("judged.verdict")
+    verdict_run_id = Held[str | None]("judged.mlflow_run_id")
+    """The MLflow run that measured this endpoint (nested in the verification run)."""
 
     def provenance(self) -> dict[str, str | None]:
         """Who served a turn, as its provenance names it."""
@@ -84,8 +92,8 @@ class Job:
     params_hash: str
     run_id: str
     settings: Generate
-    """The ``generate`` section the run was started with: its sampling, budgets, retry
-    bounds and ramp are read through the properties below (one place, published whole)."""
+    """The ``generate`` section the run was started with, published whole: its sampling,
+    budgets, retry bounds and ramp are read through the attributes below."""
     concurrency: int
     """Requests in flight on this host: ``settings.concurrency``, unless a worker asks for
     its own (``quanthunt worker --concurrency``; the published job keeps the coordinator's)."""
@@ -93,28 +101,14 @@ class Job:
     reasoning: Mapping[str, Any] | None = None
     """The request's ``reasoning`` object (``Reasoning.request()``: thinking off, or unset)."""
 
-    @property
-    def sampling(self) -> Sampling:
-        return self.settings.sampling
-
-    @property
-    def max_usd(self) -> float:
-        """Hard cap on this run's spend (settled plus possibly-billed)."""
-        return self.settings.max_usd_per_run
-
-    @property
-    def max_output_tokens(self) -> int | None:
-        """Token budget of the dataset (all runs together)."""
-        return self.settings.max_output_tokens
-
-    @property
-    def ramp_up_s(self) -> float:
-        """The first wave is spread over this long: worker k starts after k/concurrency of it."""
-        return self.settings.ramp_up_s
-
-    @property
-    def retry(self) -> Retry:
-        return self.settings.retry
+    sampling = Held[Sampling]("settings.sampling")
+    max_usd = Held[float]("settings.max_usd_per_run")
+    """Hard cap on this run's spend (settled plus possibly-billed)."""
+    max_output_tokens = Held[int | None]("settings.max_output_tokens")
+    """Token budget of the dataset (all runs together)."""
+    ramp_up_s = Held[float]("settings.ramp_up_s")
+    """The first wave is spread over this long: worker k starts after k/concurrency of it."""
+    retry = Held[Retry]("settings.retry")
 
     @property
     def worst_prompt_rate(self) -> float:
