@@ -55,11 +55,13 @@ TYPES = Dialect(real="DOUBLE PRECISION", identity="BIGINT GENERATED ALWAYS AS ID
 def shared_work(tx: Transaction, types: Dialect) -> None:
     """What lets many hosts work one dataset (``quanthunt.shared``): budgets with their cap
     as a constraint, the published jobs, the workers (liveness on the server's clock), the
-    work queue whose claims fence every write, and which worker made each attempt."""
+    work queue whose claims fence every write, and which worker made each attempt and wrote
+    each record."""
     run_script(
         tx,
         """
         ALTER TABLE attempts ADD COLUMN worker BIGINT;
+        ALTER TABLE records ADD COLUMN worker BIGINT;
         CREATE INDEX attempts_by_worker ON attempts (worker);
         CREATE TABLE budgets (
             name TEXT PRIMARY KEY,
@@ -178,19 +180,22 @@ class PostgresLedger(Ledger):
         """Set by a worker (``quanthunt.shared``): every write is then checked against its claims."""
         self.reconnects = 0
         try:
-            self._reads = self._connect()
+            self._reads = self._connect(reads=True)
             self._writes = self._connect()
         except psycopg.Error as exc:
             raise ConfigError(f"{source}: cannot reach the ledger at {self.where} ({hide_userinfo(str(exc)).strip()})") from None
         self.ride_out(self._migrate)
 
-    def _connect(self) -> psycopg.Connection[Any]:
+    def _connect(self, *, reads: bool = False) -> psycopg.Connection[Any]:
+        """A session; the reads session also holds the session lock when there is one (taken
+        again after a reconnect; never waited for, so a session that outlived its process's
+        connection cannot stall the reconnect)."""
         options = f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000}"
         connection = psycopg.connect(
             self.url, autocommit=True, options=options, application_name=self.application_name, **CONNECTION
         )
-        if self._session_lock is not None:
-            connection.execute("SELECT pg_advisory_lock(%s, %s)", self._session_lock)
+        if reads and self._session_lock is not None:
+            connection.execute("SELECT pg_try_advisory_lock(%s, %s)", self._session_lock)
         return connection
 
     def close(self) -> None:
@@ -222,7 +227,7 @@ class PostgresLedger(Ledger):
             time.sleep(0.5)
             with self._lock, contextlib.suppress(psycopg.OperationalError):
                 if self._reads.broken or self._reads.closed:
-                    self._reads = self._connect()
+                    self._reads = self._connect(reads=True)
                 if self._writes.broken or self._writes.closed:
                     self._writes = self._connect()
                 self.reconnects += 1
@@ -314,11 +319,12 @@ class PostgresLedger(Ledger):
             for record_id, line, sha in op.lines:
                 claim = fence.args(op.dataset, op.params_hash, record_id)
                 tx.cursor.execute(
-                    f"""INSERT INTO records SELECT %s, %s, %s, %s, %s, %s WHERE {CLAIMED}
+                    f"""INSERT INTO records SELECT %s, %s, %s, %s, %s, %s, %s WHERE {CLAIMED}
                         ON CONFLICT (dataset, record_id, params_hash) DO UPDATE
-                        SET line_sha256=excluded.line_sha256, line=excluded.line, written_at=excluded.written_at
+                        SET line_sha256=excluded.line_sha256, line=excluded.line, written_at=excluded.written_at,
+                            worker=excluded.worker
                         RETURNING record_id""",  # noqa: S608 - the fence is fixed text
-                    (op.dataset, record_id, op.params_hash, sha, line, now, *claim),
+                    (op.dataset, record_id, op.params_hash, sha, line, now, fence.worker, *claim),
                 )
                 if tx.cursor.fetchone() is not None:
                     tx.cursor.execute(

@@ -16,10 +16,15 @@ from dataclasses import dataclass
 
 import psycopg
 import pytest
+from fixtures.blackhole import TcpProxy
 from fixtures.generation import GenerationBed
+from fixtures.postgres import PostgresServer
 from fixtures.project import BIN
 
 TEAM_CAP = 0.5
+PARTITION_S = 5.0
+"""Longer than ``dead_after_s``: the cut-off worker is presumed dead and its records taken
+over while it is away (``benchmarks/scale_out_trials.py`` cuts one off for 30 s)."""
 COORDINATION = {"heartbeat_s": 0.3, "dead_after_s": 1.5, "claim": 8, "lease_requests": 16}
 
 
@@ -41,11 +46,21 @@ class Fleet:
         self.wait_for_job()
         self.workers = [self.worker(concurrency) for _ in range(workers)]
 
-    def worker(self, concurrency: int) -> subprocess.Popen[str]:
+    def worker(self, concurrency: int, *, url: str | None = None) -> subprocess.Popen[str]:
+        """A worker process, as on another host: no project, only the ledger's URL (``url``:
+        another route to the same database)."""
+        env = self.bed.project.env | ({"QUANTHUNT_LEDGER_URL": url} if url else {})
         return subprocess.Popen(
-            [str(BIN / "quanthunt"), "worker", "--concurrency", str(concurrency)], cwd="/", env=self.bed.project.env,
+            [str(BIN / "quanthunt"), "worker", "--concurrency", str(concurrency)], cwd="/", env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
+
+    def wait_until(self, sql: str, timeout_s: float = 60) -> None:
+        """Until ``sql`` returns a row (or fail)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.rows(sql):
+            assert time.monotonic() < deadline, f"never: {sql}"
+            time.sleep(0.1)
 
     def wait_for_job(self, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
@@ -158,3 +173,53 @@ def test_workers_killed_at_random_instants_lose_and_duplicate_nothing(fleet: Cal
     check(crew, 200)
     retired = crew.rows("SELECT COUNT(*) FROM workers WHERE retired_why LIKE 'presumed dead%'")
     assert retired[0][0] >= 1  # type: ignore[operator]
+
+
+def test_a_stopped_worker_past_its_lease_writes_nothing_when_it_wakes(fleet: Callable[..., Fleet]) -> None:
+    """The zombie: SIGSTOP a worker holding claims until it is presumed dead and its
+    claims are taken, then SIGCONT. Nothing it starts or writes after lands."""
+    crew = fleet(records=160, latency_ms=300)
+    crew.start(2)
+    assert crew.workers is not None
+    zombie = crew.workers[0]
+    crew.wait_until(f"SELECT 1 FROM workers WHERE pid = {zombie.pid} AND id IN (SELECT owner FROM work WHERE state = 'claimed')")
+    zombie.send_signal(signal.SIGSTOP)
+    crew.wait_until(f"SELECT 1 FROM workers WHERE pid = {zombie.pid} AND NOT alive")
+    ((taken,),) = crew.rows(f"SELECT COUNT(*) FROM workers WHERE pid = {zombie.pid}")
+    time.sleep(1.0)  # its claims go to the others meanwhile
+    zombie.send_signal(signal.SIGCONT)
+    assert crew.finish() == 0, crew.coordinator_output()
+    check(crew, 160)
+    late = crew.rows(
+        f"""SELECT (SELECT COUNT(*) FROM attempts a WHERE a.worker = w.id AND a.started_at > extract(epoch FROM w.retired_at)),
+                   (SELECT COUNT(*) FROM records r WHERE r.worker = w.id AND r.written_at > extract(epoch FROM w.retired_at))
+            FROM workers w WHERE w.pid = {zombie.pid}"""
+    )
+    assert taken == 1 and late == [(0, 0)], late
+    assert zombie.wait(timeout=30) is not None
+
+
+def test_workers_ride_out_a_database_restart(fleet: Callable[..., Fleet], postgres_server: PostgresServer) -> None:
+    crew = fleet(records=160, latency_ms=300)
+    crew.start(2)
+    crew.wait_until("SELECT 1 FROM records")
+    postgres_server.restart_immediate()
+    assert crew.finish() == 0, crew.coordinator_output()
+    check(crew, 160)
+
+
+def test_a_worker_cut_off_from_the_database_pays_for_nothing_twice(fleet: Callable[..., Fleet]) -> None:
+    """A partition between one worker and PostgreSQL (its packets vanish; the gateway still
+    answers it): the others take over its records; no charge goes unaccounted."""
+    crew = fleet(records=160, latency_ms=300)
+    crew.start(1)
+    host, port = crew.url.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    with TcpProxy(host, int(port)) as proxy:
+        assert crew.workers is not None
+        cut = crew.worker(8, url=crew.url.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}"))
+        crew.workers.append(cut)
+        crew.wait_until(f"SELECT 1 FROM attempts a JOIN workers w ON w.id = a.worker WHERE w.pid = {cut.pid}")
+        proxy.blackhole(PARTITION_S)
+        crew.wait_until(f"SELECT 1 FROM workers WHERE pid = {cut.pid} AND NOT alive")
+        assert crew.finish() == 0, crew.coordinator_output()
+    check(crew, 160)
