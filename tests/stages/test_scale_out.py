@@ -7,94 +7,21 @@ sandbox charged no more than the ledger accounts for, and nothing exceeds the te
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
-import psycopg
 import pytest
 from fixtures.blackhole import TcpProxy
 from fixtures.generation import GenerationBed
 from fixtures.postgres import PostgresServer
-from fixtures.project import BIN
+from fixtures.scale_out import Fleet, check
 
 TEAM_CAP = 0.5
 PARTITION_S = 5.0
 """Longer than ``dead_after_s``: the cut-off worker is presumed dead and its records taken
 over while it is away (``benchmarks/scale_out_trials.py`` cuts one off for 30 s)."""
 COORDINATION = {"heartbeat_s": 0.3, "dead_after_s": 1.5, "claim": 8, "lease_requests": 16}
-
-
-@dataclass
-class Fleet:
-    """A coordinator (`quanthunt generate`) and its workers on one shared ledger."""
-
-    bed: GenerationBed
-    url: str
-    coordinator: subprocess.Popen[str] | None = None
-    workers: list[subprocess.Popen[str]] | None = None
-
-    def start(self, workers: int, *, concurrency: int = 8) -> None:
-        root, env = self.bed.project.root, self.bed.project.env
-        self.coordinator = subprocess.Popen(
-            [str(BIN / "quanthunt"), "generate", self.bed.dataset, "--params", "params.yaml"], cwd=root, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        self.wait_for_job()
-        self.workers = [self.worker(concurrency) for _ in range(workers)]
-
-    def worker(self, concurrency: int, *, url: str | None = None) -> subprocess.Popen[str]:
-        """A worker process, as on another host: no project, only the ledger's URL (``url``:
-        another route to the same database)."""
-        env = self.bed.project.env | ({"QUANTHUNT_LEDGER_URL": url} if url else {})
-        return subprocess.Popen(
-            [str(BIN / "quanthunt"), "worker", "--concurrency", str(concurrency)], cwd="/", env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-
-    def wait_until(self, sql: str, timeout_s: float = 60) -> None:
-        """Until ``sql`` returns a row (or fail)."""
-        deadline = time.monotonic() + timeout_s
-        while not self.rows(sql):
-            assert time.monotonic() < deadline, f"never: {sql}"
-            time.sleep(0.1)
-
-    def wait_for_job(self, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.coordinator is not None and self.coordinator.poll() is None, self.coordinator_output()
-            try:
-                if self.rows("SELECT 1 FROM jobs WHERE state = 'open'"):
-                    return
-            except psycopg.errors.UndefinedTable:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("the coordinator never published its job")
-
-    def coordinator_output(self) -> str:
-        assert self.coordinator is not None
-        if self.coordinator.poll() is None:
-            return "(still running)"
-        out, err = self.coordinator.communicate()
-        return f"exit {self.coordinator.returncode}\n{out}\n{err}"
-
-    def finish(self, timeout_s: float = 300) -> int:
-        assert self.coordinator is not None
-        try:
-            self.coordinator.wait(timeout=timeout_s)
-        finally:
-            for proc in self.workers or []:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-        return self.coordinator.returncode
-
-    def rows(self, sql: str) -> list[tuple[object, ...]]:
-        with psycopg.connect(self.url, autocommit=True) as db:
-            return db.execute(sql).fetchall()  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -109,7 +36,7 @@ def fleet(generation_bed: Callable[..., GenerationBed], postgres_url: str) -> It
                     "survey.budget.usd": TEAM_CAP, "ledger.coordination": COORDINATION, "ledger.team": "ml"},
         )  # fmt: skip
         bed.project.env["QUANTHUNT_LEDGER_URL"] = postgres_url
-        made.append(Fleet(bed, postgres_url))
+        made.append(Fleet(bed.project.root, bed.project.env, bed.dataset, postgres_url, bed.charged_usd, TEAM_CAP))
         return made[-1]
 
     yield build
@@ -118,26 +45,6 @@ def fleet(generation_bed: Callable[..., GenerationBed], postgres_url: str) -> It
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
-
-
-def check(fleet: Fleet, records: int) -> dict[str, float]:
-    """Every record written once, in the published file and the ledger; every charge
-    accounted; nothing over the team's cap."""
-    lines = fleet.bed.output.read_text().splitlines()
-    ids = [json.loads(line)["id"] for line in lines]
-    assert len(ids) == len(set(ids)) == records, (len(ids), len(set(ids)))
-    ((written,),) = fleet.rows("SELECT COUNT(*) FROM records")
-    assert written == records
-    ((settled, unknown),) = fleet.rows(
-        "SELECT COALESCE(SUM(cost_usd), 0), "
-        "COALESCE(SUM(CASE WHEN outcome = 'unknown' OR outcome IS NULL THEN reserved_usd END), 0) FROM attempts"
-    )
-    charged = fleet.bed.charged_usd()
-    assert settled - 1e-9 <= charged <= settled + unknown + 1e-9, (settled, unknown, charged)
-    assert settled + unknown <= TEAM_CAP + 1e-9
-    (row,) = fleet.rows("SELECT settled_usd + unknown_usd + reserved_usd, cap_usd FROM budgets WHERE name = 'team:ml'")
-    assert row[0] <= row[1] + 1e-9  # type: ignore[operator]
-    return {"settled": float(settled), "unknown": float(unknown), "charged": charged}
 
 
 def test_three_workers_and_the_coordinator_share_one_dataset(fleet: Callable[..., Fleet]) -> None:
