@@ -31,7 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -40,7 +42,8 @@ from quanthunt.sandbox.server import SandboxProcess
 
 MODEL = "huggingfacetb/smollm2-135m-instruct"
 KEY = "sk-bench-key-000000"
-RAMP_UP_S = load_params(Path(__file__).resolve().parents[1] / "params.yaml").generate.ramp_up_s
+ROOT = Path(__file__).resolve().parents[1]
+RAMP_UP_S = load_params(ROOT / "params.yaml").generate.ramp_up_s
 """params.yaml's ``generate.ramp_up_s``, what ``quanthunt generate`` uses."""
 
 
@@ -108,19 +111,40 @@ async def openai_sdk(url: str, total: int, in_flight: int) -> Timings:
     return latencies, finished
 
 
+def bench_job(in_flight: int, ramp_up_s: float = RAMP_UP_S, *, dataset: str = "bench", run_id: str = "bench") -> Any:
+    """The benchmarks' job: one endpoint pinned, no spending cap to speak of, params.yaml's
+    generate section otherwise (a short answer, six attempts)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fixtures.verdicts import eligible
+
+    from quanthunt.gateway import Routing
+    from quanthunt.jobs import Job
+    from quanthunt.params import Retry, Sampling
+
+    settings = load_params(ROOT / "params.yaml").generate.model_copy(
+        update={"sampling": Sampling(temperature=0.7, top_p=1.0, max_tokens=16, seed=0), "max_usd_per_run": 1e6,
+                "retry": Retry(max_attempts=6, base_delay_s=0.5, max_delay_s=30, empty_answer_max_tokens=None),
+                "max_output_tokens": None, "ramp_up_s": ramp_up_s, "concurrency": in_flight}
+    )  # fmt: skip
+    provider = eligible("Moonshot AI", "moonshotai/int4", "int4", 6e-7, 2.5e-6)
+    return Job(dataset=dataset, model=MODEL, settings=settings, providers=(provider,),
+               routing=Routing(only=(provider.tag,), allow_fallbacks=False, require_parameters=True), params_hash="p" * 64,
+               run_id=run_id, concurrency=in_flight, verification_run_id="bench")  # fmt: skip
+
+
+def bench_records(total: int) -> Iterator[Any]:
+    from quanthunt.prompts import PromptRecord, Turn
+
+    return (PromptRecord(f"r{i}", (Turn("user", f"hello number {i}"),)) for i in range(total))
+
+
 async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: float = RAMP_UP_S) -> Timings:
     from quanthunt.aiohttp_chat import AiohttpChat
-    from quanthunt.gateway import ApiKey, Routing
+    from quanthunt.gateway import ApiKey
     from quanthunt.generation import Engine
-    from quanthunt.jobs import Eligible, Job
     from quanthunt.ledger import LedgerWriter
     from quanthunt.ledger_sqlite import SqliteLedger
-    from quanthunt.params import Retry, Sampling
     from quanthunt.records import RecordSink
-
-    sampling = Sampling(temperature=0.7, top_p=1.0, max_tokens=16, seed=0)
-    retry = Retry(max_attempts=6, base_delay_s=0.5, max_delay_s=30, empty_answer_max_tokens=None)
-    from quanthunt.prompts import PromptRecord, Turn
 
     work = Path(tempfile.mkdtemp(prefix="qh-bench-"))
     ledger = SqliteLedger(work / "ledger.sqlite")
@@ -128,15 +152,10 @@ async def quanthunt_engine(url: str, total: int, in_flight: int, ramp_up_s: floa
     writer.start()
     sink = RecordSink(work / "out.jsonl", writer, "bench", "p" * 64)
     sink.start()
-    provider = Eligible("Moonshot AI", "moonshotai/int4", "int4", "equivalent", 6e-7, 2.5e-6, 8192)
-    job = Job(dataset="bench", model=MODEL, sampling=sampling, providers=(provider,),
-              routing=Routing(only=(provider.tag,), allow_fallbacks=False, require_parameters=True), params_hash="p" * 64,
-              run_id="bench", max_usd=1e6, max_output_tokens=None, concurrency=in_flight, retry=retry,
-              verification_run_id="bench", ramp_up_s=ramp_up_s)  # fmt: skip
-    records = (PromptRecord(f"r{i}", (Turn("user", f"hello number {i}"),)) for i in range(total))
+    job = bench_job(in_flight, ramp_up_s)
     async with AiohttpChat(url, api_key=ApiKey(KEY)) as chat:
         engine = Engine(job, chat, ledger, writer, sink, done_turns={})
-        await engine.run(records)
+        await engine.run(bench_records(total))
     await sink.close()
     await writer.close()
     rows = ledger.db.execute("SELECT finished_at - started_at, finished_at FROM attempts WHERE outcome='ok'").fetchall()
