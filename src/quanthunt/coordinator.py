@@ -23,7 +23,7 @@ from quanthunt.ledger_postgres import PostgresLedger
 from quanthunt.outputs import write_atomic
 from quanthunt.params import Params
 from quanthunt.prompts import PromptRecord
-from quanthunt.shared import Published, close_job, export, publish, reap, run_budget, work_left
+from quanthunt.shared import Published, close_job, export, publish, reap, run_budget, work_left, worker_figures
 from quanthunt.worker_run import work
 
 
@@ -61,6 +61,7 @@ async def coordinate(
     if not queue.get("todo") and not queue.get("claimed"):
         await asyncio.to_thread(close_job, ledger, job.dataset, job.params_hash)
     progress = share.engine.progress
+    progress.workers = await asyncio.to_thread(worker_figures, ledger, published.budget)
     progress.records_total = total
     progress.records_done_before = queue.get("done", 0) - progress.records_done
     progress.records_failed = queue.get("failed", 0)

@@ -276,6 +276,7 @@ def detail(engine: Engine, headline: dict[str, object], counts: dict[str, int]) 
         "providers": dict(progress.providers),
         "request_states": counts,
         "monitor": engine.monitoring.summary() if engine.monitoring is not None else {"enabled": False},
+        "workers": progress.workers,
     }
 
 
@@ -292,6 +293,9 @@ def log_run(mlflow_run: StageRun, job: Job, engine: Engine, detail: dict[str, ob
         {f"provider.{k}": v for k, v in progress.providers.items()} | {f"errors.{k}": v for k, v in progress.errors.items()}
     )
     mlflow_run.log_dict(detail, "summary.json")
+    for worker in progress.workers:  # a shared ledger's hosts, each under its own prefix
+        mlflow_run.log_metrics({f"worker.{worker['id']}.{k}": v for k, v in worker.items()
+                                if isinstance(v, int | float) and k != "id"})  # fmt: skip
     mlflow_run.set_tags(
         {
             "dataset": job.dataset,

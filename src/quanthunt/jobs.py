@@ -176,3 +176,6 @@ class Progress:
     started: float = field(default_factory=time.monotonic)
     stop_reason: str | None = None
     skipped_reasons: Counter[str] = field(default_factory=Counter)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    """On a shared ledger, what every worker of the run did, as the ledger has it
+    (``shared.worker_figures``); empty on one host."""

@@ -170,6 +170,21 @@ def export(ledger: PostgresLedger, dataset: str, params_hash: str) -> list[str]:
     return [line for (line,) in rows]
 
 
+def worker_figures(ledger: PostgresLedger, budget: str) -> list[dict[str, Any]]:
+    """What each worker of a run (its budget row) did, as the ledger has it."""
+    rows = ledger.query(
+        """SELECT w.id, w.host, w.pid, w.retired_why, w.leased_usd,
+                  EXTRACT(EPOCH FROM COALESCE(w.retired_at, now()) - w.started_at),
+                  COUNT(a.id), COUNT(a.id) FILTER (WHERE a.outcome = 'ok'), COALESCE(SUM(a.cost_usd), 0),
+                  (SELECT COUNT(*) FROM records r WHERE r.worker = w.id)
+           FROM workers w LEFT JOIN attempts a ON a.worker = w.id WHERE w.budget = ? GROUP BY w.id ORDER BY w.id""",
+        (budget,),
+    )
+    names = ("id", "host", "pid", "ended", "leased_usd", "seconds", "attempts", "requests_ok", "cost_usd", "records")
+    return [dict(zip(names, (*row[:4], float(row[4]), float(row[5]), *map(int, row[6:8]), float(row[8]), int(row[9])),
+                     strict=True)) for row in rows]  # fmt: skip
+
+
 def retire(ledger: PostgresLedger, worker: int, why: str) -> bool:
     """End a worker (itself, or one presumed dead) in one transaction: its in-flight
     requests become unknown, its claims go back to the queue, and its lease is settled

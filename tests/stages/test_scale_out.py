@@ -7,6 +7,7 @@ sandbox charged no more than the ledger accounts for, and nothing exceeds the te
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -58,6 +59,14 @@ def test_three_workers_and_the_coordinator_share_one_dataset(fleet: Callable[...
     assert all(n <= 2 for _, n in sessions), sessions
     served = dict(crew.rows("SELECT worker, COUNT(*) FROM attempts GROUP BY worker"))
     assert len(served) >= 2, served  # the work was shared
+    workers = json.loads((crew.root / "reports/generate/tiny.detail.json").read_text())["workers"]
+    assert sum(w["records"] for w in workers) == 120 and {w["id"] for w in workers} >= set(served), workers
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{crew.root / 'mlflow.db'}")
+    (run,) = client.search_runs(client.get_experiment_by_name("quanthunt").experiment_id, "tags.dataset = 'tiny'")
+    logged = {k: v for k, v in run.data.metrics.items() if k.startswith("worker.") and k.endswith(".records")}
+    assert sum(logged.values()) == 120 and len(logged) == len(workers), logged
 
 
 def test_workers_killed_at_random_instants_lose_and_duplicate_nothing(fleet: Callable[..., Fleet]) -> None:
