@@ -41,7 +41,7 @@ from fixtures.postgres import PostgresServer
 from quanthunt.ledger_postgres import PostgresLedger
 from quanthunt.params import Coordination
 from quanthunt.sandbox.server import SandboxProcess
-from quanthunt.shared import Published, publish, run_budget
+from quanthunt.shared import Published, publish
 
 BIN = Path(sys.executable).parent
 
@@ -88,7 +88,7 @@ def run_postgres(url: str, args: argparse.Namespace, server: PostgresServer, wor
     total = args.requests * workers
     job = bench_job(args.in_flight, run_id=f"bench-{workers}")
     coordination = Coordination(heartbeat_s=2, dead_after_s=15, claim=512, lease_requests=4096)
-    publish(ledger, Published(job, url, run_budget(job.run_id), coordination, request_timeout_s=60, stop_grace_s=5),
+    publish(ledger, Published(job, url, coordination, request_timeout_s=60, stop_grace_s=5),
             bench_records(total), team="bench", team_cap_usd=1e6)  # fmt: skip
     postmaster = server.postmaster_pid
     server0, children0, started = server_cpu_seconds(postmaster), children_cpu_seconds(), time.time()

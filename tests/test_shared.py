@@ -28,7 +28,6 @@ from quanthunt.shared import (
     publish,
     reap,
     retire,
-    run_budget,
     work_left,
 )
 from quanthunt.worker_run import claimed
@@ -39,7 +38,7 @@ FAST = Coordination(heartbeat_s=0.1, dead_after_s=1.0, claim=4, lease_requests=4
 
 
 def published(the_job: Job) -> Published:
-    return Published(the_job, "http://127.0.0.1:9/api/v1", run_budget(the_job.run_id), FAST, 30.0, 5.0)
+    return Published(the_job, "http://127.0.0.1:9/api/v1", FAST, request_timeout_s=30.0, stop_grace_s=5.0)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from quanthunt.ledger_postgres import PostgresLedger
 from quanthunt.outputs import write_atomic
 from quanthunt.params import Params
 from quanthunt.prompts import PromptRecord
-from quanthunt.shared import Published, close_job, export, publish, reap, run_budget, work_left, worker_figures
+from quanthunt.shared import Published, close_job, export, publish, reap, work_left, worker_figures
 from quanthunt.worker_run import work
 
 
@@ -33,7 +33,7 @@ async def coordinate(
 ) -> tuple[Job, Engine, StopSignals, dict[str, int]]:  # fmt: skip
     """Run ``job`` across every host that joins; returns like ``generate_run.run``."""
     g = params.generate
-    published = Published(job, targets.api_url, run_budget(job.run_id), params.ledger.coordination,
+    published = Published(job, targets.api_url, params.ledger.coordination,
                           request_timeout_s=g.request_timeout_s, stop_grace_s=g.stop_grace_s)  # fmt: skip
     left = await asyncio.to_thread(publish, ledger, published, records, team=params.ledger.team,
                                    team_cap_usd=params.survey.budget.usd)  # fmt: skip

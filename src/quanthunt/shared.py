@@ -49,6 +49,7 @@ from quanthunt.ledger import Earlier, LedgerWriter, Transaction, WriteRecords, b
 from quanthunt.ledger_postgres import CLAIMED, Fence, PostgresLedger
 from quanthunt.params import Coordination
 from quanthunt.prompts import PromptRecord, Turn
+from quanthunt.records import sha256_line
 
 WORKER_LOCKS = 0x7168
 """The advisory-lock space of worker sessions (key 1; key 2 is the worker's id)."""
@@ -62,11 +63,14 @@ class Published:
 
     job: Job
     api_url: str
-    budget: str
-    """The run's budget row (its parent is the team's)."""
     coordination: Coordination
     request_timeout_s: float
     stop_grace_s: float
+
+    @property
+    def budget(self) -> str:
+        """The run's budget row (its parent is the team's)."""
+        return run_budget(self.job.run_id)
 
 
 def team_budget(team: str) -> str:
@@ -84,8 +88,9 @@ def publish(ledger: PostgresLedger, published: Published, records: Iterable[Prom
     state; failed and skipped ones are tried again, as a new run on one host would). Returns
     how many records are left to do."""
     job, team_name, run_name = published.job, team_budget(team), published.budget
-    if run_name != run_budget(job.run_id):
-        raise ValueError(f"a run's budget is named after it: {run_budget(job.run_id)!r}, not {run_name!r}")
+    # Made before the transaction, which may run again (PostgresLedger.ride_out).
+    queue = [(job.dataset, job.params_hash, r.id, position, orjson.dumps(r.to_json()).decode())
+             for position, r in enumerate(records)]  # fmt: skip
     row = orjson.dumps(
         {"job": JOB.dump_python(job, mode="json"), "coordination": published.coordination.model_dump(),
          "api_url": published.api_url, "request_timeout_s": published.request_timeout_s,
@@ -113,10 +118,7 @@ def publish(ledger: PostgresLedger, published: Published, records: Iterable[Prom
         tx.executemany(
             """INSERT INTO work (dataset, params_hash, record_id, position, prompt) VALUES (?, ?, ?, ?, ?)
                ON CONFLICT (dataset, params_hash, record_id) DO NOTHING""",
-            (
-                (job.dataset, job.params_hash, r.id, position, orjson.dumps(r.to_json()).decode())
-                for position, r in enumerate(records)
-            ),
+            queue,
         )
         tx.execute(
             "UPDATE work SET state = 'todo' WHERE dataset = ? AND params_hash = ? AND state IN ('failed', 'skipped')",
@@ -144,7 +146,7 @@ def find_job(ledger: PostgresLedger, dataset: str | None = None) -> Published | 
         return None
     body = orjson.loads(rows[0][0])
     job = JOB.validate_python(body["job"])
-    return Published(job, body["api_url"], run_budget(job.run_id), Coordination.model_validate(body["coordination"]),
+    return Published(job, body["api_url"], Coordination.model_validate(body["coordination"]),
                      request_timeout_s=body["request_timeout_s"], stop_grace_s=body["stop_grace_s"])  # fmt: skip
 
 
@@ -271,6 +273,8 @@ class Worker:
         self.claimed = 0
         self.fenced = 0
         """Records this worker lost to a takeover (its writes were refused)."""
+        self.last_error: Exception | None = None
+        """Why the last heartbeat failed (the server away: the next beat tries again)."""
 
     @classmethod
     def register(cls, ledger: PostgresLedger, published: Published) -> Worker:
@@ -433,8 +437,6 @@ class ClaimSink:
         return future
 
     async def _write(self, record_id: str, line: str, after: tuple[asyncio.Future[Any], ...]) -> None:
-        from quanthunt.records import sha256_line
-
         await asyncio.gather(*after)
         job = self.worker.job
         written = await self.writer.write(WriteRecords(job.dataset, job.params_hash, [(record_id, line, sha256_line(line))]))
