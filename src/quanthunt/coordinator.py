@@ -16,13 +16,14 @@ from rich.console import Console
 
 from quanthunt.connection import Targets
 from quanthunt.gateway import Gateway, resolve_api_key
-from quanthunt.generation import Engine, reconcile_earlier
+from quanthunt.generation import Engine
 from quanthunt.interrupts import StopSignals
 from quanthunt.jobs import Job
 from quanthunt.ledger_postgres import PostgresLedger
 from quanthunt.outputs import write_atomic
 from quanthunt.params import Params
 from quanthunt.prompts import PromptRecord
+from quanthunt.reconciliation import reconcile_earlier
 from quanthunt.shared import Published, close_job, export, publish, reap, work_left, worker_figures
 from quanthunt.worker_run import work
 

@@ -23,7 +23,7 @@ from quanthunt.connection import Targets
 from quanthunt.coordinator import coordinate
 from quanthunt.errors import EXIT_INTERRUPTED, EXIT_OUT_OF_BUDGET, ConfigError
 from quanthunt.gateway import Gateway, GatewayError, Routing, resolve_api_key
-from quanthunt.generation import Engine, StopRun, reconcile_earlier
+from quanthunt.generation import Engine, StopRun
 from quanthunt.interrupts import StopSignals
 from quanthunt.jobs import Eligible, Job, Progress, dataset_params_hash
 from quanthunt.ledger import LedgerWriter, open_ledger
@@ -31,6 +31,7 @@ from quanthunt.ledger_postgres import PostgresLedger
 from quanthunt.monitoring import LOGPROB_TOP, UNLOGGED, Monitoring, check_reference, monitors_for, stopped_providers
 from quanthunt.params import Params
 from quanthunt.prompts import PromptRecord, iter_prompts
+from quanthunt.reconciliation import reconcile_earlier
 from quanthunt.records import RecordSink, adopt_published, prepare_output
 from quanthunt.reference import Reference
 from quanthunt.survey import read_providers

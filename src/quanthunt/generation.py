@@ -44,18 +44,19 @@ import gc
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from quanthunt.defaults import GATEWAY_LIMITS, GATEWAY_UNREACHABLE_S
+from quanthunt.defaults import GATEWAY_UNREACHABLE_S
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
 from quanthunt.gateway import TRANSIENT, GatewayError, chat_body, same_provider
 from quanthunt.jobs import Eligible, Job, Progress
 from quanthunt.ledger import Earlier, FinishAttempt, Ledger, LedgerWriter, RequestKey, StartAttempt
 from quanthunt.monitoring import LOGPROB_TOP, Event, Monitoring
 from quanthunt.prompts import PromptRecord, next_request, skeleton
+from quanthunt.reconciliation import Lookup, look_up
 from quanthunt.records import record_line
-from quanthunt.replies import ChatReply, Generation
+from quanthunt.replies import ChatReply
 
 BILLED_UNKNOWN = frozenset({"timeout", "disconnect", "malformed", "unexpected_reply", "transport"})
 """Failures after the request left: the gateway may have generated (and billed) it."""
@@ -95,10 +96,6 @@ class Sink(Protocol):
 
 class ChatClient(Protocol):
     async def chat(self, body: Mapping[str, Any], *, on_headers: Any = None) -> ChatReply: ...
-
-
-Lookup = Callable[[str], Awaitable[Generation]]
-"""``Gateway.generation``: a generation record by id (waits out the lookup's lag)."""
 
 
 def estimate_prompt_tokens(messages: Iterable[Mapping[str, str]]) -> int:
@@ -591,32 +588,6 @@ class Engine:
                 self.budget.reconciled(reserved, record.total_cost)
                 done += 1
         return done
-
-
-async def look_up(generation_ids: Sequence[str], lookup: Lookup) -> list[Generation | None]:
-    """Every generation record, None where the gateway has none. Asked concurrently (up to
-    ``GATEWAY_LIMITS.max_connections`` at once): each may wait out ``/generation``'s lag."""
-    gate = asyncio.Semaphore(GATEWAY_LIMITS.max_connections or 1)
-
-    async def one(generation_id: str) -> Generation | None:
-        async with gate:
-            try:
-                return await lookup(generation_id)
-            except GatewayError:
-                return None
-
-    return list(await asyncio.gather(*(one(g) for g in generation_ids)))
-
-
-async def reconcile_earlier(ledger: Ledger, dataset: str, lookup: Lookup) -> int:
-    """Settle the unknown-outcome attempts earlier runs left with a generation id (best
-    effort: the charge stays counted as possible where the gateway has no record)."""
-    pending = ledger.unknown_with_generation_id(dataset)
-    records = await look_up([generation_id for _, generation_id in pending], lookup)
-    for (attempt_id, _), record in zip(pending, records, strict=True):
-        if record is not None:
-            ledger.reconcile(attempt_id, record.total_cost)
-    return sum(record is not None for record in records)
 
 
 async def _aiter(records: Iterable[PromptRecord] | AsyncIterable[PromptRecord]) -> AsyncIterator[PromptRecord]:
