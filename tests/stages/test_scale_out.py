@@ -7,6 +7,7 @@ sandbox charged no more than the ledger accounts for, and nothing exceeds the te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import time
@@ -14,9 +15,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from fixtures.blackhole import TcpProxy
-from fixtures.generation import GenerationBed
+from fixtures.generation import GenerationBed, write_prompts
 from fixtures.postgres import PostgresServer
+from fixtures.project import Project
 from fixtures.scale_out import Fleet, check
+
+from quanthunt.errors import EXIT_OUT_OF_BUDGET
 
 TEAM_CAP = 0.5
 PARTITION_S = 5.0
@@ -29,15 +33,15 @@ COORDINATION = {"heartbeat_s": 0.3, "dead_after_s": 1.5, "claim": 8, "lease_requ
 def fleet(generation_bed: Callable[..., GenerationBed], postgres_url: str) -> Iterator[Callable[..., Fleet]]:
     made: list[Fleet] = []
 
-    def build(*, records: int = 120, latency_ms: float = 200) -> Fleet:
+    def build(*, records: int = 120, latency_ms: float = 200, team_cap_usd: float = TEAM_CAP) -> Fleet:
         bed = generation_bed(
             records=records,
             latency_ms=latency_ms,
             params={"generate.concurrency": 8, "generate.monitor.share": 0, "generate.request_timeout_s": 5,
-                    "survey.budget.usd": TEAM_CAP, "ledger.coordination": COORDINATION, "ledger.team": "ml"},
+                    "survey.budget.usd": team_cap_usd, "ledger.coordination": COORDINATION, "ledger.team": "ml"},
         )  # fmt: skip
         bed.project.env["QUANTHUNT_LEDGER_URL"] = postgres_url
-        made.append(Fleet(bed.project.root, bed.project.env, bed.dataset, postgres_url, bed.charged_usd, TEAM_CAP))
+        made.append(Fleet(bed.project.root, bed.project.env, bed.dataset, postgres_url, bed.charged_usd, team_cap_usd))
         return made[-1]
 
     yield build
@@ -139,3 +143,27 @@ def test_a_worker_cut_off_from_the_database_pays_for_nothing_twice(fleet: Callab
         crew.wait_until(f"SELECT 1 FROM workers WHERE pid = {cut.pid} AND NOT alive")
         assert crew.finish() == 0, crew.coordinator_output()
     check(crew, 160)
+
+
+def test_two_runs_on_one_team_budget_spend_no_more_than_its_cap(fleet: Callable[..., Fleet]) -> None:
+    """Two users' runs (two datasets, two coordinators, each with its own run cap) drawing
+    on one team budget too small for both: together they stop at the team's cap."""
+    alice = fleet(records=150, team_cap_usd=0.004)
+    write_prompts(alice.root / "data/prompts/other.jsonl", 150)
+    Project(alice.root, alice.env).set_param("datasets", ["tiny", "other"])
+    bob = dataclasses.replace(alice, dataset="other")
+    alice.start(0)
+    bob.start(0)
+    codes = (alice.finish(), bob.finish())
+    assert codes == (EXIT_OUT_OF_BUDGET, EXIT_OUT_OF_BUDGET), (alice.coordinator_output(), bob.coordinator_output())
+    runs = dict(alice.rows(
+        """SELECT b.name, COALESCE(SUM(a.cost_usd), 0) + COALESCE(SUM(a.reserved_usd) FILTER (WHERE a.outcome = 'unknown'
+                  OR a.outcome IS NULL), 0)
+           FROM budgets b JOIN workers w ON w.budget = b.name JOIN attempts a ON a.worker = w.id GROUP BY b.name"""
+    ))  # fmt: skip
+    assert len(runs) == 2 and all(spent > 0 for spent in runs.values()), runs
+    assert sum(runs.values()) <= 0.004 + 1e-9, runs
+    ((settled, unknown),) = alice.rows(
+        "SELECT COALESCE(SUM(cost_usd), 0), COALESCE(SUM(reserved_usd) FILTER (WHERE outcome = 'unknown'), 0) FROM attempts"
+    )
+    assert settled - 1e-9 <= alice.charged_usd() <= settled + unknown + 1e-9
