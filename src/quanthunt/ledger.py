@@ -166,6 +166,8 @@ class NoteGenerationIds:
 
 
 Operation = StartAttempt | FinishAttempt | WriteRecords | SaveMonitor | NoteGenerationIds
+KINDS: tuple[type, ...] = (NoteGenerationIds, StartAttempt, FinishAttempt, WriteRecords, SaveMonitor)
+"""The order in which a commit applies each kind's batch."""
 
 
 class Transaction(abc.ABC):
@@ -233,15 +235,28 @@ class Ledger(abc.ABC):
     # -- writes ------------------------------------------------------------------------------
 
     def commit(self, ops: Sequence[Operation]) -> list[Any]:
-        """Apply ``ops`` in order in one transaction; one result each (``StartAttempt``: the
-        attempt's id, or None when a fenced ledger refused it; ``WriteRecords`` on a fenced
-        ledger: the ids written; otherwise None). Consecutive operations of one kind go as
-        one batch."""
-        results: list[Any] = []
+        """Apply ``ops`` in one transaction, each kind as one batch (``KINDS`` order); one
+        result each, in ``ops``' order (``StartAttempt``: the attempt's id, or None when a
+        fenced ledger refused it; ``WriteRecords`` on a fenced ledger: the ids written;
+        otherwise None).
+
+        Operations queued together never depend on each other (a caller awaits the commit
+        an operation needs: a reply's finish waits for its start, a record's line for its
+        turns' finishes), so grouping them by kind is safe, and it is what makes a batch
+        cheap: interleaved one by one, a server backend paid a round trip per operation
+        (measured: ~1 ms each, which held four workers to ~450 requests/s)."""
+        results: list[Any] = [None] * len(ops)
+        indexed = sorted(enumerate(ops), key=lambda item: KINDS.index(type(item[1])))
         with self.transaction() as tx:
-            for kind, run in groupby(ops, key=type):
-                results += self._apply(tx, kind, list(run))
+            self._begin(tx)
+            for kind, run in groupby(indexed, key=lambda item: type(item[1])):
+                batch = list(run)
+                for (index, _), result in zip(batch, self._apply(tx, kind, [op for _, op in batch]), strict=True):
+                    results[index] = result
         return results
+
+    def _begin(self, tx: Transaction) -> None:  # noqa: B027 - a hook: nothing to check on one host
+        """What a backend checks first in every commit (a shared ledger: its fence)."""
 
     def write(self, op: Operation) -> Any:
         """One operation, committed now (recovery, adoption and tests)."""

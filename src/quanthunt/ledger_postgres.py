@@ -119,29 +119,31 @@ def shared_work(tx: Transaction, types: Dialect) -> None:
 MIGRATIONS = (*SHARED_MIGRATIONS, shared_work)
 """The schema both backends share, then what only a shared ledger has."""
 
-CLAIMED = """EXISTS (SELECT 1 FROM work WHERE dataset = %s AND params_hash = %s AND record_id = %s
-                            AND owner = %s AND epoch = %s AND state = 'claimed' FOR SHARE)"""
-"""The fence: this worker still holds its claim on the record. ``FOR SHARE`` orders the
-check against a takeover (which updates the row): either the write commits first and the
-takeover sees it, or the takeover commits first and the write finds the claim gone."""
+MIGRATION_LOCK = 0x71_75_61_6E_74
+"""The advisory lock key that serialises migrations when several hosts start at once."""
+
+ALIVE = "SELECT alive FROM workers WHERE id = %s FOR SHARE"
+"""The fence, taken once per commit: this worker has not been retired. Only retiring a
+worker takes its claims away, and retiring updates this row, so ``FOR SHARE`` orders every
+commit against a takeover: either the commit lands first and the takeover sees it (its
+requests in flight, its lines), or the takeover lands first and the commit finds the
+worker retired and writes nothing but its attempts' costs."""
+
+CLAIM = "owner = %s AND epoch = %s AND state = 'claimed'"
+"""A record's line goes in only under the claim it was made under."""
 
 
 @dataclass
 class Fence:
-    """A worker's identity and its claims: what every write of a shared ledger is checked
-    against (``CLAIMED``)."""
+    """A worker's identity and its claims (``ALIVE``, ``CLAIM``)."""
 
     worker: int
     epochs: dict[tuple[str, str, str], int] = field(default_factory=dict)
     """(dataset, params hash, record id) -> the epoch of this worker's claim on it."""
 
-    def args(self, dataset: str, params_hash: str, record_id: str) -> tuple[Any, ...]:
-        """The values of ``CLAIMED`` for one record (epoch -1: not ours, so refused)."""
-        return (dataset, params_hash, record_id, self.worker, self.epochs.get((dataset, params_hash, record_id), -1))
-
-
-MIGRATION_LOCK = 0x71_75_61_6E_74
-"""The advisory lock key that serialises migrations when several hosts start at once."""
+    def claim(self, dataset: str, params_hash: str, record_id: str) -> tuple[int, int]:
+        """The values of ``CLAIM`` for one record (epoch -1: never ours, so refused)."""
+        return self.worker, self.epochs.get((dataset, params_hash, record_id), -1)
 
 
 def _placeholders(sql: str) -> str:
@@ -177,7 +179,9 @@ class PostgresLedger(Ledger):
         self._session_lock: tuple[int, int] | None = None
         self._lock = threading.Lock()
         self.fence: Fence | None = None
-        """Set by a worker (``quanthunt.shared``): every write is then checked against its claims."""
+        """Set by a worker (``quanthunt.shared``): every commit is then fenced (``ALIVE``)."""
+        self._retired = False
+        """Whether the commit under way found this worker retired (``_begin``)."""
         self.reconnects = 0
         try:
             self._reads = self._connect(reads=True)
@@ -244,6 +248,15 @@ class PostgresLedger(Ledger):
     def commit(self, ops: Sequence[Operation]) -> list[Any]:
         return self.ride_out(lambda: super(PostgresLedger, self).commit(ops))
 
+    def _begin(self, tx: Transaction) -> None:
+        """A fenced commit first takes ``ALIVE``."""
+        self._retired = False
+        if self.fence is not None:
+            assert isinstance(tx, _Tx)
+            tx.cursor.execute(ALIVE, (self.fence.worker,))
+            row = tx.cursor.fetchone()
+            self._retired = row is None or not row[0]
+
     def _migrate(self) -> None:
         with self.transaction() as tx:
             tx.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK,))
@@ -267,70 +280,71 @@ class PostgresLedger(Ledger):
 
     def _start(self, tx: Transaction, ops: Sequence[StartAttempt]) -> list[int | None]:
         assert isinstance(tx, _Tx)
+        if self._retired:
+            return [None] * len(ops)
         now = time.time()
-        fence = self.fence
-        claimed = CLAIMED if fence is not None else "TRUE"
-        rows = [
-            (*op.key.tuple(), op.reserved_usd, now, now,
-             *(fence.args(op.key.dataset, op.key.params_hash, op.key.record_id) if fence else ()),
-             op.run_id, now, op.reserved_usd, fence.worker if fence else None)
-            for op in ops
-        ]  # fmt: skip
+        worker = self.fence.worker if self.fence is not None else None
         tx.cursor.executemany(
-            f"""WITH request AS (
+            """WITH request AS (
                    INSERT INTO requests (dataset, record_id, turn, params_hash, state, attempts, reserved_usd,
                                          created_at, updated_at)
-                   SELECT %s, %s, %s, %s, 'in_flight', 1, %s, %s, %s WHERE {claimed}
+                   VALUES (%s, %s, %s, %s, 'in_flight', 1, %s, %s, %s)
                    ON CONFLICT (dataset, record_id, turn, params_hash) DO UPDATE SET state='in_flight',
                                 attempts=requests.attempts+1, reserved_usd=excluded.reserved_usd,
                                 updated_at=excluded.updated_at
                    RETURNING dataset, record_id, turn, params_hash, attempts)
                INSERT INTO attempts (dataset, record_id, turn, params_hash, attempt, run_id, started_at, reserved_usd, worker)
-               SELECT dataset, record_id, turn, params_hash, attempts, %s, %s, %s, %s::bigint FROM request
-               RETURNING id""",  # noqa: S608 - the fence is fixed text
-            rows,
+               SELECT dataset, record_id, turn, params_hash, attempts, %s, %s, %s, %s FROM request
+               RETURNING id""",
+            [(*op.key.tuple(), op.reserved_usd, now, now, op.run_id, now, op.reserved_usd, worker) for op in ops],
             returning=True,
         )
         ids: list[int | None] = []
         while True:
-            row = tx.cursor.fetchone()
-            ids.append(int(row[0]) if row is not None else None)
+            ids.extend(int(row[0]) for row in tx.cursor.fetchall())
             if not tx.cursor.nextset():
                 return ids
 
     def _apply(self, tx: Transaction, kind: type, ops: list[Any]) -> list[Any]:
-        """On a fenced ledger, a finished attempt's cost is always kept (money spent is a
-        fact), but its request and the record's line are written only under the claim."""
+        """On a fenced ledger: a retired worker's finished attempts keep their cost (money
+        spent is a fact) but nothing else it writes lands; a record's line lands only under
+        the claim it was made under."""
         fence = self.fence
         if fence is None or kind not in (FinishAttempt, WriteRecords):
             return super()._apply(tx, kind, ops)
         now = time.time()
         if kind is FinishAttempt:
+            if not self._retired:
+                return super()._apply(tx, kind, ops)
             tx.executemany(FINISH[0], [op.attempt_row(now) for op in ops])
-            tx.executemany(
-                f"{FINISH[1]} AND {CLAIMED.replace('%s', '?')}",
-                [(*op.request_row(now), *fence.args(op.key.dataset, op.key.params_hash, op.key.record_id)) for op in ops],
-            )
             return [None] * len(ops)
+        if self._retired:
+            return [set() for _ in ops]
         assert isinstance(tx, _Tx)
-        results = []
-        for op in ops:
-            written = set()
-            for record_id, line, sha in op.lines:
-                claim = fence.args(op.dataset, op.params_hash, record_id)
-                tx.cursor.execute(
-                    f"""INSERT INTO records SELECT %s, %s, %s, %s, %s, %s, %s WHERE {CLAIMED}
-                        ON CONFLICT (dataset, record_id, params_hash) DO UPDATE
-                        SET line_sha256=excluded.line_sha256, line=excluded.line, written_at=excluded.written_at,
-                            worker=excluded.worker
-                        RETURNING record_id""",  # noqa: S608 - the fence is fixed text
-                    (op.dataset, record_id, op.params_hash, sha, line, now, fence.worker, *claim),
-                )
-                if tx.cursor.fetchone() is not None:
-                    tx.cursor.execute(
-                        "UPDATE work SET state = 'done' WHERE dataset = %s AND params_hash = %s AND record_id = %s",
-                        claim[:3],
-                    )
-                    written.add(record_id)
-            results.append(written)
-        return results
+        # Pipelined: a round trip for the batch's claims and one for its lines, not one a line.
+        claims = [
+            (op.dataset, op.params_hash, r, *fence.claim(op.dataset, op.params_hash, r)) for op in ops for r, _, _ in op.lines
+        ]
+        landed: set[tuple[str, str, str]] = set()
+        if claims:
+            tx.cursor.executemany(
+                f"""UPDATE work SET state = 'done' WHERE dataset = %s AND params_hash = %s AND record_id = %s AND {CLAIM}
+                    RETURNING dataset, params_hash, record_id""",  # noqa: S608 - the claim is fixed text
+                claims,
+                returning=True,
+            )
+            while True:
+                landed.update(tx.cursor.fetchall())
+                if not tx.cursor.nextset():
+                    break
+        lines = [(op.dataset, r, op.params_hash, sha, line, now, fence.worker)
+                 for op in ops for r, line, sha in op.lines if (op.dataset, op.params_hash, r) in landed]  # fmt: skip
+        if lines:
+            tx.cursor.executemany(
+                """INSERT INTO records (dataset, record_id, params_hash, line_sha256, line, written_at, worker)
+                   VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (dataset, record_id, params_hash) DO UPDATE
+                   SET line_sha256 = excluded.line_sha256, line = excluded.line, written_at = excluded.written_at,
+                       worker = excluded.worker""",
+                lines,
+            )
+        return [{r for r, _, _ in op.lines if (op.dataset, op.params_hash, r) in landed} for op in ops]

@@ -18,8 +18,10 @@ What holds, across all hosts together:
   no more than both have left (their ``CHECK`` constraints say the same). Each host spends
   its lease through its in-memory ``Budget``.
 - **No record is written twice, and no late write lands.** A claim is (worker, epoch);
-  every write of a claimed record is fenced on it (``ledger_postgres.CLAIMED``), and a
-  takeover changes the owner under a row lock the fence shares.
+  a record's line lands only under its claim (``ledger_postgres.CLAIM``), and every commit
+  of a worker first takes a shared lock on its own row and checks it is not retired
+  (``ledger_postgres.ALIVE``): retiring a worker, the only way its claims are taken over,
+  updates that row, so a commit and a takeover are ordered.
 - **A dead worker's money is accounted.** A worker is presumed dead when its session's
   advisory lock is gone (the process died: its connections closed) or its heartbeat is
   older than ``dead_after_s`` on the server's clock (stopped, partitioned). ``retire``
@@ -46,7 +48,7 @@ from pydantic import TypeAdapter
 from quanthunt.errors import ConfigError
 from quanthunt.jobs import Job
 from quanthunt.ledger import Earlier, LedgerWriter, Transaction, WriteRecords, billing_of
-from quanthunt.ledger_postgres import CLAIMED, Fence, PostgresLedger
+from quanthunt.ledger_postgres import CLAIM, Fence, PostgresLedger
 from quanthunt.params import Coordination
 from quanthunt.prompts import PromptRecord, Turn
 from quanthunt.records import sha256_line
@@ -407,8 +409,8 @@ class Worker:
         await asyncio.to_thread(
             self.ledger.query,
             f"""UPDATE work SET state = ? WHERE dataset = ? AND params_hash = ? AND record_id = ?
-                                                AND {CLAIMED.replace("%s", "?")} RETURNING 1""",  # noqa: S608 - fixed text
-            (state, job.dataset, job.params_hash, record_id, *fence.args(job.dataset, job.params_hash, record_id)),
+                                                AND {CLAIM.replace("%s", "?")} RETURNING 1""",  # noqa: S608 - fixed text
+            (state, job.dataset, job.params_hash, record_id, *fence.claim(job.dataset, job.params_hash, record_id)),
         )
 
     async def retire(self, why: str) -> None:

@@ -53,7 +53,7 @@ def fleet(generation_bed: Callable[..., GenerationBed], postgres_url: str) -> It
 
 
 def test_three_workers_and_the_coordinator_share_one_dataset(fleet: Callable[..., Fleet]) -> None:
-    crew = fleet()
+    crew = fleet(latency_ms=500)  # long enough that the workers, a few seconds to start, find work left
     crew.start(3)
     sessions = crew.rows(
         "SELECT application_name, COUNT(*) FROM pg_stat_activity WHERE application_name LIKE 'quanthunt-worker-%' GROUP BY 1"
