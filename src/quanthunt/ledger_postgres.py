@@ -6,6 +6,9 @@ Two connections per process: one for reads, one for transactions. Transactions h
 lock, so the group-commit writer's thread (``Ledger.threaded``) and recovery on the event
 loop's thread take turns on it. Sessions that sit idle inside a transaction are cut by
 the server (``idle_in_transaction_session_timeout``), so a stalled host cannot hold locks.
+A server that goes away (a restart, a partition) is ridden out on fresh connections
+(``ride_out``). What only a shared ledger has: the schema of ``shared_work``, and the
+fence a worker's commits go through (``ALIVE``, ``CLAIM``; ``quanthunt.shared`` says why).
 """
 
 from __future__ import annotations
