@@ -111,6 +111,14 @@ async def openai_sdk(url: str, total: int, in_flight: int) -> Timings:
     return latencies, finished
 
 
+def bench_roster(latency_ms: float) -> dict[str, Any]:
+    """The benchmarks' sandbox: one provider answering after ``latency_ms``, at no token rate limit."""
+    provider = {"name": "Moonshot AI", "slug": "moonshotai", "tag": "moonshotai/int4", "quantization": "int4",
+                "precision": "int4-native", "pricing": {"prompt": "0.0000006", "completion": "0.0000025"},
+                "latency_ms": latency_ms, "throughput_tps": 1e9}  # fmt: skip
+    return {"providers": [provider], "credits": {"default_usd": 1e6}}
+
+
 def bench_job(in_flight: int, ramp_up_s: float = RAMP_UP_S, *, dataset: str = "bench", run_id: str = "bench") -> Any:
     """The benchmarks' job: one endpoint pinned, no spending cap to speak of, params.yaml's
     generate section otherwise (a short answer, six attempts)."""
@@ -209,10 +217,7 @@ def main() -> None:
     if args.client:
         child(args.client, args.url, args.requests, args.in_flight, args.out, args.ramp_up_s)
         return
-    roster = {"providers": [{"name": "Moonshot AI", "slug": "moonshotai", "tag": "moonshotai/int4", "quantization": "int4",
-                             "precision": "int4-native", "pricing": {"prompt": "0.0000006", "completion": "0.0000025"},
-                             "latency_ms": args.latency_ms, "throughput_tps": 1e9}],
-              "credits": {"default_usd": 1e6}}  # fmt: skip
+    roster = bench_roster(args.latency_ms)
     bound = args.in_flight / (args.latency_ms / 1000)
     print(f"latency-mode sandbox, {args.latency_ms:.0f} ms per request, {args.in_flight} in flight: "
           f"Little's-law bound {bound:.0f} req/s; quanthunt's first wave ramps up over {args.ramp_up_s:g} s")  # fmt: skip

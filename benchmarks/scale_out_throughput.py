@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import yaml
-from generation_throughput import KEY, ROOT, bench_job, bench_records, cpu_seconds, steady_rate
+from generation_throughput import KEY, ROOT, bench_job, bench_records, bench_roster, cpu_seconds, steady_rate
 
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -127,10 +127,7 @@ def main() -> None:
     parser.add_argument("--base", default="f917ac4", help="the commit before the ledger seam, for sqlite@base")
     parser.add_argument("--configs", default="sqlite,sqlite@base,postgres:1,postgres:3")
     args = parser.parse_args()
-    roster = {"providers": [{"name": "Moonshot AI", "slug": "moonshotai", "tag": "moonshotai/int4", "quantization": "int4",
-                             "precision": "int4-native", "pricing": {"prompt": "0.0000006", "completion": "0.0000025"},
-                             "latency_ms": args.latency_ms, "throughput_tps": 1e9}],
-              "credits": {"default_usd": 1e6}}  # fmt: skip
+    roster = bench_roster(args.latency_ms)
     bound = args.in_flight / (args.latency_ms / 1000)
     print(f"latency-mode sandbox, {args.latency_ms:.0f} ms per request, {args.in_flight} in flight per process "
           f"(Little's-law bound {bound:.0f} req/s per process), {os.cpu_count()} cores")  # fmt: skip
