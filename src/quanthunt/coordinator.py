@@ -45,8 +45,12 @@ async def coordinate(
     api_key = resolve_api_key(targets.api_url)
     while True:
         share = await work(ledger, published, api_key=api_key)
-        if share.engine.progress.stop_reason is not None or share.signals.received or not share.worker.alive:
-            break  # stopped (a signal, a cap, the run must stop): not waiting for the others
+        stopped = bool(share.signals.received) or share.engine.fatal is not None
+        if not share.worker.alive and not stopped:
+            console.print("[yellow]this host was presumed dead (its claims were taken over); joining again[/]")
+            continue
+        if stopped or share.engine.progress.stop_reason is not None:
+            break  # a signal, a cap, the run must stop: not waiting for the others
         queue = await asyncio.to_thread(work_left, ledger, job.dataset, job.params_hash)
         if queue.get("todo"):
             continue  # a dead worker's claims came back

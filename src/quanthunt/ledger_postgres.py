@@ -224,14 +224,15 @@ class PostgresLedger(Ledger):
         ``RIDE_OUT_S``). A transaction whose commit was lost may so run twice: the ledger's
         operations are upserts or count conservatively (a second attempt row stays
         unknown, i.e. possibly billed), never a second payment."""
-        deadline = time.monotonic() + RIDE_OUT_S
+        deadline, pause = time.monotonic() + RIDE_OUT_S, 0.05
         while True:
             try:
                 return operation()
             except psycopg.OperationalError:
                 if time.monotonic() > deadline:
                     raise
-            time.sleep(0.5)
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
             with self._lock, contextlib.suppress(psycopg.OperationalError):
                 if self._reads.broken or self._reads.closed:
                     self._reads = self._connect(reads=True)

@@ -235,16 +235,18 @@ def retire(ledger: PostgresLedger, worker: int, why: str) -> bool:
 def reap(ledger: PostgresLedger, dataset: str, params_hash: str, coordination: Coordination) -> list[int]:
     """Retire the job's workers presumed dead, and end their sessions (what they send
     later fails, and the fence refuses it anyway). Dead: no session holds the worker's
-    advisory lock (the process is gone) and it has missed two heartbeats (a server
-    restart drops every lock for a moment), or its heartbeat is older than
-    ``dead_after_s`` by the server's clock (stopped, or cut off). Returns their ids."""
+    advisory lock (the process is gone) and it has missed three heartbeats, or it has not
+    beaten for ``dead_after_s`` (stopped, or cut off). Time is the server's, and counts
+    from the server's start at the earliest: a restart drops every lock and holds every
+    heartbeat back, and the workers that ride it out must not be taken for dead. Returns
+    their ids."""
     rows = ledger.query(
-        """SELECT w.id, now() - w.heartbeat_at > make_interval(secs => ?) AS silent,
-                  now() - w.heartbeat_at > make_interval(secs => ?) AS late,
+        """SELECT w.id, now() - GREATEST(w.heartbeat_at, pg_postmaster_start_time()) > make_interval(secs => ?),
+                  now() - GREATEST(w.heartbeat_at, pg_postmaster_start_time()) > make_interval(secs => ?),
                   EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted
-                                                     AND l.classid = ? AND l.objid = w.id AND l.objsubid = 2) AS locked
+                                                     AND l.classid = ? AND l.objid = w.id AND l.objsubid = 2)
            FROM workers w WHERE w.alive AND w.dataset = ? AND w.params_hash = ?""",
-        (coordination.dead_after_s, 2 * coordination.heartbeat_s, WORKER_LOCKS, dataset, params_hash),
+        (coordination.dead_after_s, 3 * coordination.heartbeat_s, WORKER_LOCKS, dataset, params_hash),
     )
     dead = [(int(worker), "its session ended" if not locked else "its heartbeat stopped")
             for worker, silent, late, locked in rows if silent or (late and not locked)]  # fmt: skip

@@ -126,6 +126,8 @@ def test_workers_ride_out_a_database_restart(fleet: Callable[..., Fleet], postgr
     postgres_server.restart_immediate()
     assert crew.finish() == 0, crew.coordinator_output()
     check(crew, 160)
+    assert crew.rows("SELECT id, retired_why FROM workers WHERE retired_why LIKE 'presumed dead%'") == []  # all rode it out
+    assert {why for (why,) in crew.rows("SELECT retired_why FROM workers")} == {"finished"}
 
 
 def test_a_worker_cut_off_from_the_database_pays_for_nothing_twice(fleet: Callable[..., Fleet]) -> None:
@@ -167,3 +169,19 @@ def test_two_runs_on_one_team_budget_spend_no_more_than_its_cap(fleet: Callable[
         "SELECT COALESCE(SUM(cost_usd), 0), COALESCE(SUM(reserved_usd) FILTER (WHERE outcome = 'unknown'), 0) FROM attempts"
     )
     assert settled - 1e-9 <= alice.charged_usd() <= settled + unknown + 1e-9
+
+
+def test_a_coordinator_presumed_dead_joins_again_and_finishes_the_dataset(fleet: Callable[..., Fleet]) -> None:
+    """The coordinator stopped past its lease: a worker takes its claims over; woken, it
+    joins the queue again and the run ends with the whole dataset (not the part it had)."""
+    crew = fleet(records=160, latency_ms=300)
+    crew.start(1)
+    assert crew.coordinator is not None
+    crew.wait_until("SELECT 1 FROM records")
+    crew.coordinator.send_signal(signal.SIGSTOP)
+    crew.wait_until(f"SELECT 1 FROM workers WHERE pid = {crew.coordinator.pid} AND NOT alive")
+    crew.coordinator.send_signal(signal.SIGCONT)
+    assert crew.finish() == 0, crew.coordinator_output()
+    check(crew, 160)
+    ((joined,),) = crew.rows(f"SELECT COUNT(*) FROM workers WHERE pid = {crew.coordinator.pid}")
+    assert joined >= 2
