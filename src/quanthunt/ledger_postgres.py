@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from quanthunt.config_files import hide_userinfo
+from quanthunt.config_files import hide_userinfo, one_line
 from quanthunt.errors import ConfigError
 from quanthunt.ledger import FINISH, FinishAttempt, Ledger, Operation, StartAttempt, Transaction, WriteRecords
 from quanthunt.ledger_schema import MIGRATIONS as SHARED_MIGRATIONS
@@ -190,7 +190,8 @@ class PostgresLedger(Ledger):
             self._reads = self._connect(reads=True)
             self._writes = self._connect()
         except psycopg.Error as exc:
-            raise ConfigError(f"{source}: cannot reach the ledger at {self.where} ({hide_userinfo(str(exc)).strip()})") from None
+            reason = one_line(" ".join(hide_userinfo(str(exc)).split()), 300)  # libpq's message spans lines
+            raise ConfigError(f"{source}: cannot reach the ledger at {self.where} ({reason})") from None
         self.ride_out(self._migrate)
 
     def _connect(self, *, reads: bool = False) -> psycopg.Connection[Any]:
