@@ -38,7 +38,7 @@ import functools
 import os
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,7 +274,6 @@ class Worker:
         self.coordination = published.coordination
         self.alive = True
         self.leased_usd = 0.0
-        self.claimed = 0
         self.fenced = 0
         """Records this worker lost to a takeover (its writes were refused)."""
         self.last_error: Exception | None = None
@@ -357,7 +356,6 @@ class Worker:
             fence.epochs[self.job.dataset, self.job.params_hash, record_id] = int(epoch)
             body = orjson.loads(prompt)
             records.append(PromptRecord(body["id"], tuple(Turn(**t) for t in body["conversations"])))
-        self.claimed += len(records)
         return records
 
     def _claim(self) -> list[tuple[str, int, str]]:
@@ -373,15 +371,6 @@ class Worker:
             (self.id, job.dataset, job.params_hash, self.coordination.claim, self.id),
         )
         return [(r, int(e), p) for r, e, p, _ in sorted(rows, key=lambda row: row[3])]
-
-    async def records(self) -> AsyncIterator[PromptRecord]:
-        """Claimed records, a batch at a time, until the queue is empty."""
-        while self.alive:
-            batch = await self.claim()
-            if not batch:
-                return
-            for record in batch:
-                yield record
 
     def resume(self, records: Sequence[PromptRecord]) -> Earlier:
         """What earlier owners of ``records`` finished and spent: done turns, costs, attempts by billing."""
