@@ -8,8 +8,6 @@ SANDBOX_HOST = "127.0.0.1"
 SANDBOX_PORT = 8765
 SANDBOX_MAX_BATCH = 32
 """Requests of one precision sampled together (~60 tok/s at 32 vs ~7 at 1, 2 cores)."""
-SANDBOX_BATCH_WINDOW_S = 0.01
-"""How long the first waiting request waits for company before its batch starts."""
 SANDBOX_STARTUP_TIMEOUT_S = 180.0
 """A first start converts the GGUF (~30 s on 2 cores); later starts take ~5 s."""
 SANDBOX_API_KEY = "sk-quanthunt-sandbox"

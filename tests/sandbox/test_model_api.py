@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -146,3 +147,39 @@ def test_every_default_provider_serves_and_bills(model_sandbox: SandboxProcess) 
         discount = endpoint["pricing"].get("discount", 0)
         expected = (usage["prompt_tokens"] * prompt + usage["completion_tokens"] * completion) * (1 - discount)
         assert usage["cost"] == pytest.approx(expected)
+
+
+def test_a_short_request_overtakes_a_long_one_running_at_any_precision(model_sandbox: SandboxProcess) -> None:
+    """Continuous batching: a request joins the running batch between steps and leaves when it
+    is done, whether it shares the long request's precision (the reference) or not (nvfp4
+    through the gateway); it never waits for another request's whole completion."""
+
+    async def race() -> list[str]:
+        finished: list[str] = []
+        async with httpx.AsyncClient(timeout=300) as client:
+
+            async def long() -> None:
+                body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "seed": 1}
+                reply = await client.post(f"{model_sandbox.reference_url}/completions", json=body)
+                assert reply.json()["usage"]["completion_tokens"] == 300
+                finished.append("long")
+
+            async def short(name: str, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+                await asyncio.sleep(1.0)  # the long one is decoding by now
+                reply = await client.post(url, json={"model": MODEL_ID, "max_tokens": 4, **body}, headers=headers)
+                assert reply.status_code == 200, reply.text
+                finished.append(name)
+
+            await asyncio.gather(
+                long(),
+                short("same precision", f"{model_sandbox.reference_url}/completions", {"prompt": "Hello"}, {}),
+                short(
+                    "nvfp4",
+                    f"{model_sandbox.api_url}/chat/completions",
+                    {"messages": PARIS, "provider": {"only": ["together"]}},
+                    AUTH,
+                ),
+            )
+        return finished
+
+    assert asyncio.run(race())[-1] == "long"

@@ -32,6 +32,8 @@ class SamplingRequest:
     seed: int = 0
     top_logprobs: int = 0
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    """Keep sampling past the end-of-sequence token (vLLM's ``ignore_eos``: benchmarks)."""
 
 
 @dataclass(frozen=True)

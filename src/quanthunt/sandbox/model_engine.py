@@ -1,13 +1,17 @@
 """The real model behind the sandbox: requests from the event loop are queued to one
-compute thread, which groups waiting requests of the same precision into a batch
-(batch 32 gives ~8x the tokens/s of batch 1 on 2 cores)."""
+compute thread, which batches continuously. Each precision has a ``sampler.Lane``: between
+any two decode steps, waiting requests join their precision's running batch and finished
+ones leave it, and every lane with running rows takes a step, so no request waits for
+another's whole completion and every precision advances in the same loop. Teacher-forced
+scoring runs between steps, several sequences per forward pass."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -15,14 +19,18 @@ from typing import Any
 
 import torch
 
-from quanthunt.defaults import SANDBOX_BATCH_WINDOW_S, SANDBOX_MAX_BATCH
+from quanthunt.defaults import SANDBOX_MAX_BATCH
 from quanthunt.errors import SandboxError
+from quanthunt.sandbox.decoder import Decoder
 from quanthunt.sandbox.engine import REFERENCE_PRECISION, Completion, OutToken, SamplingRequest, TokenInfo
 from quanthunt.sandbox.model import PrecisionStore, load_reference
-from quanthunt.sandbox.sampler import Sample, Sampler, TokenLogprob
+from quanthunt.sandbox.sampler import Lane, Sample, TokenLogprob, score_batch
+from quanthunt.sandbox.threads import ThreadTuner
 
 SCORE_BATCH_TOKENS = 2048
 """Most tokens scored in one forward pass (~400 MB of fp32 logits at SmolLM2's vocabulary)."""
+PREFILL_BATCH_TOKENS = 4096
+"""Most (padded) prompt tokens prefilled in one forward pass when requests join a lane."""
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -40,7 +48,7 @@ def _byte_decoder() -> dict[str, int]:
 
 @dataclass
 class EngineStats:
-    """Compute done by kind ("sample", "score"): batches, rows, tokens, seconds."""
+    """Compute done by kind ("prefill", "decode", "score"): forward passes, rows, tokens, seconds."""
 
     by_kind: dict[str, list[float]] = field(default_factory=dict)
 
@@ -60,26 +68,39 @@ class EngineStats:
 class _Job:
     kind: str  # "sample" | "score"
     precision: str
-    payload: Any
+    payload: Any  # a SamplingRequest | (ids, top_logprobs)
     future: Future[Any]
-    enqueued: float = field(default_factory=time.monotonic)
 
 
-class _Batcher:
-    """One compute thread; same-precision sample requests waiting together form a batch."""
+def _token_bounded(jobs: list[_Job], length: Any, budget: int) -> list[list[_Job]]:
+    """Split ``jobs`` into runs whose padded size (rows x longest) stays within ``budget``."""
+    groups: list[list[_Job]] = []
+    for job in jobs:
+        if groups and (len(groups[-1]) + 1) * max(length(j) for j in [*groups[-1], job]) <= budget:
+            groups[-1].append(job)
+        else:
+            groups.append([job])
+    return groups
 
-    def __init__(
-        self, store: PrecisionStore, tokenizer: Any, stop_ids: Sequence[int], *, max_batch: int, window_s: float
-    ) -> None:
+
+class _Scheduler:
+    """The compute thread (see the module docstring). Its torch threads are every core this
+    process may run on, or one when the machine is busy (``threads.ThreadTuner``)."""
+
+    def __init__(self, store: PrecisionStore, tokenizer: Any, stop_ids: Sequence[int], *, max_batch: int) -> None:
         self._store = store
         self._tokenizer = tokenizer
         self._stop_ids = list(stop_ids)
         self._max_batch = max_batch
-        self._window_s = window_s
+        self._decoders: dict[str, Decoder] = {}
+        self._lanes: dict[str, Lane] = {}
+        self._running: dict[str, set[Future[Any]]] = defaultdict(set)
+        self._waiting: dict[str, deque[_Job]] = defaultdict(deque)
         self._queue: deque[_Job] = deque()
         self._cond = threading.Condition()
         self._closed = False
         self.stats = EngineStats()
+        self.tuner = ThreadTuner(len(os.sched_getaffinity(0)))
         self._thread = threading.Thread(target=self._run, name="sandbox-compute", daemon=True)
         self._thread.start()
 
@@ -97,58 +118,113 @@ class _Batcher:
             self._closed = True
             self._cond.notify()
 
+    def _decoder(self, precision: str) -> Decoder:
+        if precision not in self._decoders:
+            self._decoders[precision] = Decoder(self._store.get(precision))
+        return self._decoders[precision]
+
+    def _text(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _lane(self, precision: str) -> Lane:
+        if precision not in self._lanes:
+            self._lanes[precision] = Lane(
+                self._decoder(precision), self._text, stop_token_ids=self._stop_ids, max_batch=self._max_batch
+            )
+        return self._lanes[precision]
+
+    def _busy(self) -> bool:
+        return any(lane.running for lane in self._lanes.values()) or any(self._waiting.values())
+
     def _take(self) -> list[_Job] | None:
+        """What arrived since the last step; waits while there is nothing to do."""
         with self._cond:
-            while not self._queue and not self._closed:
+            while not self._queue and not self._closed and not self._busy():
                 self._cond.wait()
-            if self._closed and not self._queue:
+            if self._closed:
                 return None
-            first = self._queue[0]
-            if first.kind == "sample":
-                # Give concurrent requests a moment to join the batch.
-                deadline = first.enqueued + self._window_s
-                while len(self._queue) < self._max_batch and (left := deadline - time.monotonic()) > 0:
-                    self._cond.wait(left)
-            first = self._queue.popleft()
-            batch = [first]
-            tokens = len(first.payload[0]) if first.kind == "score" else 0
-            for job in list(self._queue):
-                if len(batch) >= self._max_batch:
-                    break
-                if job.kind != first.kind or job.precision != first.precision:
-                    continue
-                if job.kind == "score":
-                    # Score batches are bounded by tokens: their logits are [batch, length, vocab].
-                    tokens += len(job.payload[0])
-                    if tokens > SCORE_BATCH_TOKENS:
-                        break
-                self._queue.remove(job)
-                batch.append(job)
-            return batch
+            arrived = list(self._queue)
+            self._queue.clear()
+            return arrived
 
     def _run(self) -> None:
-        torch.set_grad_enabled(False)
-        while (batch := self._take()) is not None:
-            live = [job for job in batch if job.future.set_running_or_notify_cancel()]
-            if not live:
-                continue
+        torch.set_num_threads(self.tuner.current)
+        with torch.inference_mode():
+            while (arrived := self._take()) is not None:
+                scores: dict[str, list[_Job]] = defaultdict(list)
+                for job in arrived:
+                    (scores[job.precision] if job.kind == "score" else self._waiting[job.precision]).append(job)
+                for precision, jobs in scores.items():
+                    self._guarded(precision, jobs, self._score)
+                for precision in list(self._waiting):
+                    self._guarded(precision, [], self._admit)
+                for precision, lane in list(self._lanes.items()):
+                    if lane.running:
+                        self._guarded(precision, [], self._step)
+        failure = SandboxError("the sandbox engine is shut down")
+        for futures in self._running.values():
+            for future in futures:
+                future.set_exception(failure)
+
+    def _guarded(self, precision: str, jobs: list[_Job], work: Any) -> None:
+        """Run ``work``; on an error, fail its jobs and everything running at ``precision``
+        (the thread must survive a bad batch) and start that lane afresh."""
+        try:
+            work(precision, jobs)
+        except Exception as exc:
+            for future in [job.future for job in jobs] + list(self._running.pop(precision, set())):
+                if not future.done():
+                    future.set_exception(exc)
+            self._lanes.pop(precision, None)
+
+    def _score(self, precision: str, jobs: list[_Job]) -> None:
+        live = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        decoder = self._decoder(precision)
+        for job in live:
+            if (length := len(job.payload[0])) > decoder.context_length:
+                too_long = f"cannot score {length} tokens: the model's context is {decoder.context_length}"
+                job.future.set_exception(SandboxError(too_long))
+        live = [job for job in live if not job.future.done()]
+        for group in _token_bounded(live, lambda job: len(job.payload[0]), SCORE_BATCH_TOKENS):
             started = time.perf_counter()
-            try:
-                sampler = Sampler(self._store.get(live[0].precision), self._tokenizer, stop_token_ids=self._stop_ids)
-                if live[0].kind == "score":
-                    for job, scored in zip(live, sampler.score_many([job.payload for job in live]), strict=True):
-                        job.future.set_result(scored)
-                    tokens = sum(len(job.payload[0]) for job in live)
-                else:
-                    results = sampler.sample([job.payload for job in live])
-                    for job, result in zip(live, results, strict=True):
-                        job.future.set_result(result)
-                    tokens = sum(len(r.token_ids) for r in results)
-                self.stats.record(live[0].kind, len(live), tokens, time.perf_counter() - started)
-            except Exception as exc:  # the thread must survive a bad batch
-                for job in live:
-                    if not job.future.done():
-                        job.future.set_exception(exc)
+            for job, scored in zip(group, score_batch(decoder, [job.payload for job in group]), strict=True):
+                job.future.set_result(scored)
+            tokens = sum(len(job.payload[0]) for job in group)
+            self.stats.record("score", len(group), tokens, time.perf_counter() - started)
+
+    def _admit(self, precision: str, _: list[_Job]) -> None:
+        waiting, lane = self._waiting[precision], self._lane(precision)
+        joining: list[_Job] = []
+        while waiting and len(joining) < lane.free:
+            job = waiting.popleft()
+            if job.future.set_running_or_notify_cancel():
+                joining.append(job)
+        if not waiting:
+            del self._waiting[precision]
+        self._running[precision].update(job.future for job in joining)
+        for group in _token_bounded(joining, lambda job: len(job.payload.prompt_ids), PREFILL_BATCH_TOKENS):
+            started = time.perf_counter()
+            tokens = lane.admit([(job.payload, self._resolver(precision, job.future)) for job in group])
+            self.stats.record("prefill", len(group), tokens, time.perf_counter() - started)
+
+    def _resolver(self, precision: str, future: Future[Any]) -> Any:
+        def done(sample: Sample) -> None:
+            self._running[precision].discard(future)
+            future.set_result(sample)
+
+        return done
+
+    def _step(self, precision: str, _: list[_Job]) -> None:
+        started = time.perf_counter()
+        threads = self.tuner.threads(started)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        rows = self._lanes[precision].step()
+        seconds = time.perf_counter() - started
+        self.tuner.record(threads, rows, seconds, started + seconds)
+        self.stats.record("decode", rows, rows, seconds)
 
 
 class ModelEngine:
@@ -165,7 +241,6 @@ class ModelEngine:
         tokenizer: Any,
         *,
         max_batch: int = SANDBOX_MAX_BATCH,
-        window_s: float = SANDBOX_BATCH_WINDOW_S,
     ) -> None:
         self.tokenizer = tokenizer
         self.context_length = int(getattr(store.reference.config, "max_position_embeddings", 8192))
@@ -173,7 +248,7 @@ class ModelEngine:
         self._bytes = _byte_decoder()
         self._special = {int(i) for i in tokenizer.all_special_ids}
         self._token_cache: dict[int, TokenInfo] = {}
-        self._batcher = _Batcher(store, tokenizer, stop_ids, max_batch=max_batch, window_s=window_s)
+        self._scheduler = _Scheduler(store, tokenizer, stop_ids, max_batch=max_batch)
 
     @classmethod
     def load(cls, precisions: Sequence[str] = ()) -> ModelEngine:
@@ -185,10 +260,11 @@ class ModelEngine:
         return cls(store, tokenizer)
 
     def close(self) -> None:
-        self._batcher.close()
+        self._scheduler.close()
 
     def compute_stats(self) -> dict[str, dict[str, float]]:
-        return self._batcher.stats.as_dict()
+        tuner = self._scheduler.tuner
+        return {**self._scheduler.stats.as_dict(), "threads": {"current": tuner.current, "switches": tuner.switches}}
 
     def encode_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
         encoded = self.tokenizer.apply_chat_template(
@@ -222,7 +298,7 @@ class ModelEngine:
         )
 
     async def complete(self, precision: str, request: SamplingRequest, *, pace: tuple[float, float] | None = None) -> Completion:
-        sample: Sample = await asyncio.wrap_future(self._batcher.submit("sample", precision, request))
+        sample: Sample = await asyncio.wrap_future(self._scheduler.submit("sample", precision, request))
         return Completion(
             text=sample.text,
             tokens=[self._out(t) for t in sample.logprobs],
@@ -233,5 +309,5 @@ class ModelEngine:
     async def score(
         self, ids: Sequence[int], *, top_logprobs: int, precision: str = REFERENCE_PRECISION
     ) -> list[OutToken | None]:
-        scored = await asyncio.wrap_future(self._batcher.submit("score", precision, (list(ids), top_logprobs)))
+        scored = await asyncio.wrap_future(self._scheduler.submit("score", precision, (list(ids), top_logprobs)))
         return [None if s is None else self._out(s) for s in scored]

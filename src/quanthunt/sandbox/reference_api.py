@@ -207,6 +207,9 @@ def reference_routes(roster: Roster, engine: CompletionEngine) -> list[Route]:
             if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
                 raise BadRequest("temperature must be a number between 0 and 2")
             as_ids = not sglang and bool(data.get("return_tokens_as_token_ids", False))
+            ignore_eos = data.get("ignore_eos", False)
+            if not isinstance(ignore_eos, bool):
+                raise BadRequest("ignore_eos must be a boolean")
             completion_tokens: list[OutToken] = []
             text, finish = "", "length"
             if max_tokens > 0:
@@ -218,6 +221,7 @@ def reference_routes(roster: Roster, engine: CompletionEngine) -> list[Route]:
                     seed=seed_of(data),
                     top_logprobs=k or 0,
                     stop=parse_stop(data.get("stop")),
+                    ignore_eos=ignore_eos,
                 )
                 done = await engine.complete(REFERENCE_PRECISION, sampling)
                 completion_tokens, text, finish = done.tokens, done.text, done.finish_reason

@@ -1,21 +1,25 @@
-"""Batched sampling and teacher-forced scoring on a causal LM, with real logprobs.
+"""Sampling and teacher-forced scoring with real logprobs, batched continuously.
 
-``sample`` runs one static batch: prompts are left-padded, prefilled once, then decoded
-with a KV cache until every row has stopped. Each row draws its randomness from its own
-``torch.Generator`` seeded by the request, so a seeded request gives the same text
-whatever else shares its batch. Reported logprobs are the model's raw distribution
-(``log_softmax`` of the logits, before temperature and top-p), as vLLM reports them by
-default; ``score`` computes the same quantity teacher-forced, so the two agree.
+A ``Lane`` is one precision's running batch: requests join it (their prompts are prefilled
+into free cache slots) and leave it (when they stop) between any two decode steps, so a
+request never waits for another's whole completion. Each request draws its randomness from
+its own ``torch.Generator`` seeded by the request, one uniform per sampled token, so a seeded
+request gives the same text whatever else shares its steps (up to float rounding, which can
+flip a near-tie: ``tests/sandbox/test_sampler.py`` measures it). Reported logprobs are the
+model's raw distribution (``log_softmax`` of the logits, before temperature and top-p), as
+vLLM reports them by default; ``Sampler.score`` computes the same quantity teacher-forced, so
+the two agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from quanthunt.sandbox.decoder import Decoder
 from quanthunt.sandbox.engine import SamplingRequest
 
 
@@ -38,154 +42,217 @@ class Sample:
     finish_reason: str  # "stop" | "length"
 
 
-def _top(logp: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    if k <= 0:
-        return []
-    values, indices = torch.topk(logp, k)
-    return [(int(i), float(v)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+def draw(logits: torch.Tensor, requests: Sequence[SamplingRequest], generators: Sequence[torch.Generator]) -> list[int]:
+    """One token per row of ``logits`` [rows, vocab]: greedy where ``temperature == 0``, else
+    an inverse-CDF draw (one fp64 uniform from the row's generator) from softmax(logits / T),
+    restricted to the smallest top-p nucleus when ``top_p < 1``. All rows in fp64 together."""
+    tokens = [0] * len(requests)
+    greedy = [row for row, r in enumerate(requests) if r.temperature <= 0]
+    if greedy:
+        for row, token in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist(), strict=True):
+            tokens[row] = int(token)
+    for nucleus in (False, True):
+        rows = [row for row, r in enumerate(requests) if r.temperature > 0 and (r.top_p < 1.0) == nucleus]
+        if not rows:
+            continue
+        temperature = torch.tensor([requests[row].temperature for row in rows], dtype=torch.float64)
+        probs = torch.softmax(logits[rows].double() / temperature[:, None], dim=-1)
+        u = torch.stack([torch.rand((), generator=generators[row], dtype=torch.float64) for row in rows])
+        if nucleus:
+            probs, order = torch.sort(probs, dim=-1, descending=True)
+        cumulative = torch.cumsum(probs, dim=-1)
+        if nucleus:
+            top_p = torch.tensor([[requests[row].top_p] for row in rows], dtype=torch.float64)
+            last = torch.searchsorted(cumulative, top_p).clamp(max=probs.shape[1] - 1)
+        else:
+            last = torch.full((len(rows), 1), probs.shape[1] - 1, dtype=torch.long)
+        target = u[:, None] * cumulative.gather(1, last)
+        index = torch.minimum(torch.searchsorted(cumulative, target, right=True), last)
+        picked = order.gather(1, index) if nucleus else index
+        for row, token in zip(rows, picked[:, 0].tolist(), strict=True):
+            tokens[row] = int(token)
+    return tokens
 
 
-def _draw(logits: torch.Tensor, request: SamplingRequest, generator: torch.Generator) -> int:
-    """Inverse-CDF draw from softmax(logits / T) restricted to the top-p nucleus."""
-    if request.temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double() / request.temperature, dim=-1)
-    u = float(torch.rand((), generator=generator, dtype=torch.float64))
-    if request.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        keep = int(torch.searchsorted(cumulative, torch.tensor(request.top_p, dtype=torch.float64))) + 1
-        nucleus = cumulative[:keep]
-        index = int(torch.searchsorted(nucleus, torch.tensor(u * float(nucleus[-1]), dtype=torch.float64), right=True))
-        return int(order[min(index, keep - 1)])
-    cumulative = torch.cumsum(probs, dim=-1)
-    index = int(torch.searchsorted(cumulative, torch.tensor(u * float(cumulative[-1]), dtype=torch.float64), right=True))
-    return min(index, probs.shape[0] - 1)
+def _top(values: list[float], indices: list[int], k: int) -> list[tuple[int, float]]:
+    return [(int(i), float(v)) for i, v in zip(indices[:k], values[:k], strict=True)]
+
+
+@dataclass
+class _Row:
+    request: SamplingRequest
+    done: Callable[[Sample], None]
+    generator: torch.Generator
+    length: int = 0
+    """Positions of this row in the cache (the prompt and every token fed back so far)."""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Lane:
+    """One precision's running batch (see the module docstring).
+
+    Usage: ``lane.admit([(request, on_done)])`` then ``while lane.running: lane.step()``;
+    ``on_done(sample)`` is called when a request stops.
+    """
+
+    def __init__(
+        self, decoder: Decoder, decode_text: Callable[[list[int]], str], *, stop_token_ids: Sequence[int], max_batch: int
+    ) -> None:
+        self.decoder = decoder
+        self._decode_text = decode_text
+        self._stop_ids = frozenset(stop_token_ids)
+        self.max_batch = max_batch
+        self._cache = decoder.new_cache()
+        self._rows: list[_Row] = []
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def free(self) -> int:
+        return self.max_batch - len(self._rows)
+
+    def admit(self, jobs: Sequence[tuple[SamplingRequest, Callable[[Sample], None]]]) -> int:
+        """Prefill ``jobs`` into free slots and draw their first tokens; the prompt tokens run."""
+        new = [_Row(request, done, torch.Generator().manual_seed(request.seed)) for request, done in jobs]
+        for row in [row for row in new if row.request.max_tokens <= 0]:
+            row.done(Sample([], [], "", "length"))
+        new = [row for row in new if row.request.max_tokens > 0]
+        if not new:
+            return 0
+        first = len(self._rows)
+        need = max(len(row.request.prompt_ids) + row.request.max_tokens for row in new)
+        self._cache.reserve(first + len(new), min(need, self.decoder.context_length))
+        logits = self.decoder.prefill(self._cache, first, [row.request.prompt_ids for row in new])
+        for row in new:
+            row.length = len(row.request.prompt_ids)
+        self._rows.extend(new)
+        self._advance(list(range(first, first + len(new))), logits)
+        return sum(len(row.request.prompt_ids) for row in new)
+
+    def step(self) -> int:
+        """One decode step for every running row; the tokens it produced."""
+        rows = len(self._rows)
+        if not rows:
+            return 0
+        tokens = torch.tensor([row.tokens[-1] for row in self._rows], dtype=torch.long)
+        lengths = torch.tensor([row.length for row in self._rows], dtype=torch.long)
+        logits = self.decoder.decode(self._cache, tokens, lengths)
+        for row in self._rows:
+            row.length += 1
+        self._advance(list(range(rows)), logits)
+        return rows
+
+    def _advance(self, indices: list[int], logits: torch.Tensor) -> None:
+        """Draw the next token of the rows at ``indices`` (one logits row each), then retire
+        the rows that stopped, keeping the running ones in the slots' prefix."""
+        rows = [self._rows[i] for i in indices]
+        requests = [row.request for row in rows]
+        drawn = draw(logits, requests, [row.generator for row in rows])
+        logp = torch.log_softmax(logits, dim=-1)
+        picked = logp.gather(1, torch.tensor(drawn, dtype=torch.long)[:, None])[:, 0].tolist()
+        k = max(r.top_logprobs for r in requests)
+        top_values, top_indices = torch.topk(logp, k) if k > 0 else (logp[:, :0], logp[:, :0].long())
+        values, ids = top_values.tolist(), top_indices.tolist()
+        finished: list[tuple[int, Sample]] = []
+        for n, (index, row, token) in enumerate(zip(indices, rows, drawn, strict=True)):
+            sample = self._accept(row, token, picked[n], _top(values[n], ids[n], row.request.top_logprobs))
+            if sample is not None:
+                finished.append((index, sample))
+        for index, sample in sorted(finished, key=lambda f: f[0], reverse=True):
+            done = self._rows[index].done
+            last = len(self._rows) - 1
+            if index != last:  # the last running row takes the freed slot
+                self._cache.move(last, index, self._rows[last].length)
+                self._rows[index] = self._rows[last]
+            self._rows.pop()
+            done(sample)
+        if not self._rows:
+            self._cache.release()
+
+    def _accept(self, row: _Row, token: int, logprob: float, top: list[tuple[int, float]]) -> Sample | None:
+        """Add a drawn token to its row; the finished sample when the row stops."""
+        request = row.request
+        if token in self._stop_ids and not request.ignore_eos:
+            return Sample(row.tokens, row.logprobs, self._decode_text(row.tokens), "stop")
+        row.tokens.append(token)
+        row.logprobs.append(TokenLogprob(token, logprob, top))
+        if request.stop:
+            text = self._decode_text(row.tokens)
+            at = min((text.find(s) for s in request.stop if s in text), default=-1)
+            if at >= 0:
+                return Sample(row.tokens, row.logprobs, text[:at], "stop")
+        if len(row.tokens) >= request.max_tokens or row.length + 1 >= self.decoder.context_length:
+            return Sample(row.tokens, row.logprobs, self._decode_text(row.tokens), "length")
+        return None
+
+
+def score_batch(decoder: Decoder, jobs: Sequence[tuple[Sequence[int], int]]) -> list[list[TokenLogprob | None]]:
+    """Teacher-forced logprob of every token of each sequence given the ones before it, with
+    its ``top`` alternatives, all sequences in one right-padded forward pass. The first token
+    has no context and scores ``None`` (as vLLM's ``echo`` does)."""
+    filled = [(ids, top) for ids, top in jobs if ids]
+    if not filled:
+        return [[] for _ in jobs]
+    logits = decoder.logits([ids for ids, _ in filled])
+    scored_rows = iter(range(len(filled)))
+    results: list[list[TokenLogprob | None]] = []
+    for ids, top in jobs:
+        if not ids:
+            results.append([])
+            continue
+        row = next(scored_rows)
+        logp = torch.log_softmax(logits[row, : len(ids) - 1], dim=-1)
+        targets = torch.tensor(list(ids[1:]), dtype=torch.long)
+        picked = logp.gather(1, targets[:, None])[:, 0].tolist()
+        values, indices = torch.topk(logp, top) if top > 0 else (logp[:, :0], logp[:, :0].long())
+        top_values, top_ids = values.tolist(), indices.tolist()
+        scored: list[TokenLogprob | None] = [None]
+        for i, (token, logprob) in enumerate(zip(ids[1:], picked, strict=True)):
+            scored.append(TokenLogprob(int(token), logprob, _top(top_values[i], top_ids[i], top)))
+        results.append(scored)
+    return results
 
 
 class Sampler:
-    """Samples and scores with one model (one precision) and its tokenizer."""
+    """Samples and scores with one model (one precision) and its tokenizer, all requests of a
+    call admitted together (benchmarks and tests; the server's engine feeds a ``Lane`` as
+    requests arrive)."""
 
-    def __init__(self, model: nn.Module, tokenizer: object, *, stop_token_ids: Sequence[int]) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, tokenizer: object, *, stop_token_ids: Sequence[int], max_batch: int = 1024) -> None:
+        self.decoder = Decoder(model)
         self.tokenizer = tokenizer
-        self.stop_token_ids = frozenset(stop_token_ids)
-        self.pad_id = min(self.stop_token_ids) if self.stop_token_ids else 0
+        self.stop_token_ids = list(stop_token_ids)
+        self.max_batch = max_batch
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))  # type: ignore[attr-defined]
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))  # type: ignore[attr-defined]
 
     @torch.inference_mode()
     def sample(self, requests: Sequence[SamplingRequest]) -> list[Sample]:
-        """Sample every request in one left-padded batch.
+        """Sample every request; rows that stop leave the batch."""
+        results: list[Sample | None] = [None] * len(requests)
 
-        Rows that stop leave the batch (their KV-cache rows are dropped), so a batch
-        costs what its still-running rows cost.
-        """
-        from transformers import DynamicCache
+        def keep(i: int) -> Callable[[Sample], None]:
+            def done(sample: Sample) -> None:
+                results[i] = sample
 
-        rows = len(requests)
-        width = max(len(r.prompt_ids) for r in requests)
-        step_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        for i, request in enumerate(requests):
-            n = len(request.prompt_ids)
-            step_ids[i, width - n :] = torch.tensor(request.prompt_ids, dtype=torch.long)
-            mask[i, width - n :] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        generators = [torch.Generator().manual_seed(r.seed) for r in requests]
-        tokens: list[list[int]] = [[] for _ in requests]
-        logprobs: list[list[TokenLogprob]] = [[] for _ in requests]
-        texts: list[str | None] = [None for _ in requests]
-        finish: list[str | None] = [None if r.max_tokens > 0 else "length" for r in requests]
-        active = [i for i in range(rows) if finish[i] is None]
-        if len(active) < rows:
-            step_ids, mask, positions = step_ids[active], mask[active], positions[active]
-        cache = DynamicCache()
-        while active:
-            logits = (
-                self.model(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                .logits[:, -1, :]
-                .float()
-            )
-            logp = torch.log_softmax(logits, dim=-1)
-            keep: list[int] = []
-            next_tokens: list[int] = []
-            for row, i in enumerate(active):
-                request = requests[i]
-                token = _draw(logits[row], request, generators[i])
-                if token in self.stop_token_ids:
-                    finish[i] = "stop"
-                    continue
-                tokens[i].append(token)
-                logprobs[i].append(TokenLogprob(token, float(logp[row, token]), _top(logp[row], request.top_logprobs)))
-                if request.stop:
-                    text = self._decode(tokens[i])
-                    at = min((text.find(s) for s in request.stop if s in text), default=-1)
-                    if at >= 0:
-                        texts[i], finish[i] = text[:at], "stop"
-                        continue
-                if len(tokens[i]) >= request.max_tokens:
-                    finish[i] = "length"
-                    continue
-                keep.append(row)
-                next_tokens.append(token)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                index = torch.tensor(keep, dtype=torch.long)
-                cache.batch_select_indices(index)
-                mask, positions = mask[index], positions[index]
-                active = [active[row] for row in keep]
-            step_ids = torch.tensor(next_tokens, dtype=torch.long).unsqueeze(1)
-            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=torch.long)], dim=1)
-            positions = positions[:, -1:] + 1
-        results = []
-        for i in range(rows):
-            cut = texts[i]
-            final = self._decode(tokens[i]) if cut is None else cut
-            results.append(Sample(tokens[i], logprobs[i], final, finish[i] or "length"))
-        return results
+            return done
+
+        lane = Lane(self.decoder, self._decode, stop_token_ids=self.stop_token_ids, max_batch=max(len(requests), 1))
+        lane.admit([(request, keep(i)) for i, request in enumerate(requests)])
+        while lane.running:
+            lane.step()
+        return [r for r in results if r is not None]
 
     @torch.inference_mode()
     def score(self, ids: Sequence[int], *, top_logprobs: int = 0) -> list[TokenLogprob | None]:
-        """Teacher-forced logprob of every token given the ones before it.
-
-        The first token has no context and scores ``None`` (as vLLM's ``echo`` does).
-        """
-        return self.score_many([(ids, top_logprobs)])[0]
+        """Teacher-forced logprob of every token given the ones before it (first: ``None``)."""
+        return score_batch(self.decoder, [(ids, top_logprobs)])[0]
 
     @torch.inference_mode()
     def score_many(self, jobs: Sequence[tuple[Sequence[int], int]]) -> list[list[TokenLogprob | None]]:
-        """``score`` for several sequences in one right-padded forward pass (causal
-        attention keeps padding from touching the real positions)."""
-        width = max((len(ids) for ids, _ in jobs), default=0)
-        if width == 0:
-            return [[] for _ in jobs]
-        input_ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(jobs), width), dtype=torch.long)
-        for row, (ids, _) in enumerate(jobs):
-            input_ids[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
-            mask[row, : len(ids)] = 1
-        logits = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits.float()
-        results: list[list[TokenLogprob | None]] = []
-        for row, (ids, top) in enumerate(jobs):
-            if not ids:
-                results.append([])
-                continue
-            logp = torch.log_softmax(logits[row, : len(ids) - 1], dim=-1)
-            targets = torch.tensor(list(ids[1:]), dtype=torch.long)
-            picked = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-            scored: list[TokenLogprob | None] = [None]
-            scored += [
-                TokenLogprob(int(t), float(lp), _top(logp[i], top)) for i, (t, lp) in enumerate(zip(ids[1:], picked, strict=True))
-            ]
-            results.append(scored)
-        return results
+        """``score`` for several sequences in one forward pass."""
+        return score_batch(self.decoder, jobs)

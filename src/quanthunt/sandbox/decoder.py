@@ -1,0 +1,219 @@
+"""The sandbox model's forward pass, written for serving: a Llama decoder over the weights
+of a Hugging Face model (any precision ``model.build_precision`` makes), with a KV cache
+kept by slot so that requests join and leave a running batch between any two steps.
+
+It computes what ``transformers``' Llama does, op for op and in the same dtypes (RMSNorm in
+fp32, RoPE from fp32 frequencies cast to the compute dtype, scaled-dot-product attention,
+tied embedding as the output head), so its logprobs agree with the Hugging Face model's and
+with vLLM's within float rounding (``tests/sandbox/test_decoder.py`` holds it to that). What
+differs is the work around the ops: the query/key/value and gate/up projections are each one
+matrix product, a decode step runs one forward for every running row however long its
+history, and only the logits a caller needs are computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CACHE_STEP = 128
+"""Cache lengths grow in steps of this many positions (a copy per growth, not per token)."""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q + k + v, hidden]
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class SlotCache:
+    """Keys and values of up to ``slots`` sequences, per layer ``[slots, kv_heads, capacity,
+    head_dim]``. A sequence owns one slot; the running ones occupy slots ``0 .. n-1`` (see
+    ``move``), so a step reads a prefix of the slots and no index."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self._shape = (kv_heads, head_dim)
+        self._dtype = dtype
+        self.keys: list[torch.Tensor] = [self._empty(0, 0) for _ in range(layers)]
+        self.values: list[torch.Tensor] = [self._empty(0, 0) for _ in range(layers)]
+
+    def _empty(self, slots: int, capacity: int) -> torch.Tensor:
+        kv_heads, head_dim = self._shape
+        # zeros, not empty: a masked position weighs 0, and 0 x NaN garbage would still be NaN
+        return torch.zeros((slots, kv_heads, capacity, head_dim), dtype=self._dtype)
+
+    @property
+    def slots(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reserve(self, slots: int, capacity: int) -> None:
+        """Make room for ``slots`` sequences of ``capacity`` positions, keeping what is held."""
+        if slots <= self.slots and capacity <= self.capacity:
+            return
+        slots = max(slots, self.slots)
+        capacity = max(self.capacity, -(-capacity // CACHE_STEP) * CACHE_STEP)
+        held_slots, held = self.slots, self.capacity
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                grown = self._empty(slots, capacity)
+                grown[:held_slots, :, :held] = old
+                store[i] = grown
+
+    def move(self, source: int, target: int, length: int) -> None:
+        """Copy a sequence's first ``length`` positions from one slot to another."""
+        for store in (self.keys, self.values):
+            for tensor in store:
+                tensor[target, :, :length] = tensor[source, :, :length]
+
+    def release(self) -> None:
+        """Free the memory (the next ``reserve`` allocates again)."""
+        self.keys = [self._empty(0, 0) for _ in self.keys]
+        self.values = [self._empty(0, 0) for _ in self.values]
+
+
+class Decoder:
+    """One precision of the model, ready to serve.
+
+    Usage: ``decoder = Decoder(model); cache = decoder.new_cache()``, then
+    ``decoder.prefill(cache, first_slot, prompts)`` and ``decoder.decode(cache, tokens,
+    lengths)`` for sampling, ``decoder.logits(sequences)`` for teacher-forced scoring.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        core: Any = model.model
+        config: Any = model.config
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.eps = float(config.rms_norm_eps)
+        self.embedding: torch.Tensor = core.embed_tokens.weight
+        self.dtype = self.embedding.dtype
+        self.head: torch.Tensor = model.lm_head.weight  # type: ignore[union-attr,assignment]
+        self.norm: torch.Tensor = core.norm.weight
+        self.layers = [
+            _Layer(
+                input_norm=layer.input_layernorm.weight,
+                qkv=torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight]),
+                o=layer.self_attn.o_proj.weight,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
+                down=layer.mlp.down_proj.weight,
+            )
+            for layer in core.layers
+        ]
+        self.intermediate = self.layers[0].down.shape[1] if self.layers else 0
+        # RoPE exactly as transformers computes it: fp32 position x fp32 inverse frequency,
+        # duplicated, cos/sin, then cast to the compute dtype (bf16 servers keep inv_freq fp32).
+        inv_freq = core.rotary_emb.inv_freq.to(torch.float32)
+        scaling = float(getattr(core.rotary_emb, "attention_scaling", 1.0))
+        positions = torch.arange(int(config.max_position_embeddings), dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (angles.cos() * scaling).to(self.dtype)
+        self.sin = (angles.sin() * scaling).to(self.dtype)
+        self.context_length = int(config.max_position_embeddings)
+
+    def new_cache(self) -> SlotCache:
+        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos) + (rotated * sin)
+
+    def _split(self, x: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Attention input of ``x`` [rows, positions, hidden]: q, k, v as [rows, heads, positions, head_dim]."""
+        rows, positions, _ = x.shape
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        qkv = F.linear(self._rms(x, layer.input_norm), layer.qkv)
+        q = qkv[..., :q_size].view(rows, positions, self.heads, self.head_dim).transpose(1, 2)
+        k = qkv[..., q_size : q_size + kv_size].view(rows, positions, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = qkv[..., q_size + kv_size :].view(rows, positions, self.kv_heads, self.head_dim).transpose(1, 2)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+
+    def _finish(self, x: torch.Tensor, attended: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """The rest of a block after attention: output projection, residual, MLP, residual."""
+        rows, _, positions, _ = attended.shape
+        x = x + F.linear(attended.transpose(1, 2).reshape(rows, positions, self.heads * self.head_dim), layer.o)
+        gate, up = torch.split(F.linear(self._rms(x, layer.post_norm), layer.gate_up), self.intermediate, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down)
+
+    def _causal(self, ids: torch.Tensor, cache: SlotCache | None, first_slot: int) -> torch.Tensor:
+        """Hidden states after the last block for right-padded ``ids`` [rows, width] (causal
+        attention keeps the padding out of every real position); with a cache, each row's
+        keys and values are kept in slot ``first_slot + row``."""
+        rows, width = ids.shape
+        x = F.embedding(ids, self.embedding)
+        cos, sin = self.cos[:width], self.sin[:width]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._split(x, layer, cos, sin)
+            if cache is not None:
+                cache.keys[i][first_slot : first_slot + rows, :, :width] = k
+                cache.values[i][first_slot : first_slot + rows, :, :width] = v
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = self._finish(x, attended, layer)
+        return self._rms(x, self.norm)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head).float()
+
+    @staticmethod
+    def _padded(sequences: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, : len(sequence)] = torch.tensor(list(sequence), dtype=torch.long)
+        return ids
+
+    def prefill(self, cache: SlotCache, first_slot: int, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Run ``prompts`` (each non-empty) into slots ``first_slot ..``; the next-token logits
+        of each, fp32 ``[rows, vocab]``. The caller has reserved the slots and the length."""
+        ids = self._padded(prompts, pad=0)
+        hidden = self._causal(ids, cache, first_slot)
+        last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)
+        return self._head(hidden[torch.arange(len(prompts)), last])
+
+    def decode(self, cache: SlotCache, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """One step for the sequences in slots ``0 .. n-1``: ``tokens`` [n] go in at positions
+        ``lengths`` [n] (what each slot holds so far); the next-token logits, fp32 ``[n, vocab]``."""
+        rows = tokens.shape[0]
+        span = int(lengths.max()) + 1
+        slots = torch.arange(rows)
+        x = F.embedding(tokens[:, None], self.embedding)
+        cos, sin = self.cos[lengths][:, None, None, :], self.sin[lengths][:, None, None, :]
+        visible = (torch.arange(span)[None, :] <= lengths[:, None])[:, None, None, :]
+        group = self.heads // self.kv_heads
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._split(x, layer, cos, sin)
+            keys, values = cache.keys[i], cache.values[i]
+            keys[slots, :, lengths] = k[:, :, 0]
+            values[slots, :, lengths] = v[:, :, 0]
+            # Grouped-query attention of one new position: the query heads that share a key
+            # head stand in for positions of one query, so no key or value is copied per head.
+            grouped = q.reshape(rows, self.kv_heads, group, self.head_dim)
+            attended = F.scaled_dot_product_attention(grouped, keys[:rows, :, :span], values[:rows, :, :span], attn_mask=visible)
+            x = self._finish(x, attended.reshape(rows, self.heads, 1, self.head_dim), layer)
+        return self._head(self._rms(x, self.norm)[:, 0])
+
+    def logits(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Teacher-forced logits of right-padded ``sequences``: fp32 ``[rows, width, vocab]``."""
+        return self._head(self._causal(self._padded(sequences, pad=0), None, 0))
