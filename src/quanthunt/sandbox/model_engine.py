@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from quanthunt.defaults import SANDBOX_MAX_BATCH
 from quanthunt.errors import SandboxError
 from quanthunt.sandbox.decoder import Decoder
 from quanthunt.sandbox.engine import REFERENCE_PRECISION, Completion, OutToken, SamplingRequest, TokenInfo
-from quanthunt.sandbox.model import PrecisionStore, load_reference
+from quanthunt.sandbox.model import build_precision, load_reference
 from quanthunt.sandbox.sampler import Lane, Sample, TokenLogprob, score_batch
 from quanthunt.sandbox.threads import ThreadTuner
 
@@ -87,8 +88,9 @@ class _Scheduler:
     """The compute thread (see the module docstring). Its torch threads are every core this
     process may run on, or one when the machine is busy (``threads.ThreadTuner``)."""
 
-    def __init__(self, store: PrecisionStore, tokenizer: Any, stop_ids: Sequence[int], *, max_batch: int) -> None:
-        self._store = store
+    def __init__(self, reference: nn.Module, tokenizer: Any, stop_ids: Sequence[int], *, max_batch: int) -> None:
+        self._reference = reference
+        self._building = threading.Lock()
         self._tokenizer = tokenizer
         self._stop_ids = list(stop_ids)
         self._max_batch = max_batch
@@ -118,10 +120,13 @@ class _Scheduler:
             self._closed = True
             self._cond.notify()
 
-    def _decoder(self, precision: str) -> Decoder:
-        if precision not in self._decoders:
-            self._decoders[precision] = Decoder(self._store.get(precision))
-        return self._decoders[precision]
+    def decoder(self, precision: str) -> Decoder:
+        """``precision``'s forward pass, built on first use (1-4 s). Only the decoder is kept:
+        it holds the weights it needs, packed, and the model it was built from is dropped."""
+        with self._building:
+            if precision not in self._decoders:
+                self._decoders[precision] = Decoder(build_precision(self._reference, precision))
+            return self._decoders[precision]
 
     def _text(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))
@@ -129,7 +134,7 @@ class _Scheduler:
     def _lane(self, precision: str) -> Lane:
         if precision not in self._lanes:
             self._lanes[precision] = Lane(
-                self._decoder(precision), self._text, stop_token_ids=self._stop_ids, max_batch=self._max_batch
+                self.decoder(precision), self._text, stop_token_ids=self._stop_ids, max_batch=self._max_batch
             )
         return self._lanes[precision]
 
@@ -181,7 +186,7 @@ class _Scheduler:
         live = [job for job in jobs if job.future.set_running_or_notify_cancel()]
         if not live:
             return
-        decoder = self._decoder(precision)
+        decoder = self.decoder(precision)
         for job in live:
             if (length := len(job.payload[0])) > decoder.context_length:
                 too_long = f"cannot score {length} tokens: the model's context is {decoder.context_length}"
@@ -237,27 +242,27 @@ class ModelEngine:
 
     def __init__(
         self,
-        store: PrecisionStore,
+        reference: nn.Module,
         tokenizer: Any,
         *,
         max_batch: int = SANDBOX_MAX_BATCH,
     ) -> None:
         self.tokenizer = tokenizer
-        self.context_length = int(getattr(store.reference.config, "max_position_embeddings", 8192))
+        self.context_length = int(getattr(reference.config, "max_position_embeddings", 8192))
         stop_ids = [int(tokenizer.eos_token_id)]
         self._bytes = _byte_decoder()
         self._special = {int(i) for i in tokenizer.all_special_ids}
         self._token_cache: dict[int, TokenInfo] = {}
-        self._scheduler = _Scheduler(store, tokenizer, stop_ids, max_batch=max_batch)
+        self._scheduler = _Scheduler(reference, tokenizer, stop_ids, max_batch=max_batch)
 
     @classmethod
     def load(cls, precisions: Sequence[str] = ()) -> ModelEngine:
         """Load the reference model and pre-build ``precisions`` so no request waits for it."""
         reference, tokenizer = load_reference()
-        store = PrecisionStore(reference)
+        engine = cls(reference, tokenizer)
         for precision in precisions:
-            store.get(precision)
-        return cls(store, tokenizer)
+            engine._scheduler.decoder(precision)
+        return engine
 
     def close(self) -> None:
         self._scheduler.close()
