@@ -66,14 +66,17 @@ async def audit_all(
             targets.api_url,
             api_key=resolve_api_key(targets.api_url),
             timeout=probe_timeout(v.request_timeout_s),
-            limits=probe_limits(v.concurrency),
+            limits=probe_limits(v.concurrency, endpoints=len(rows)),
         ) as gateway,
         Reference(targets.reference_url, model=params.reference.model) as reference,
     ):
         reference_model = (await reference.check()).model
 
-        def on_cut(before: int, after: int) -> None:
-            console.print(f"verify: a probe request timed out; in-flight limit {before} → {after} (timed-out probes are retried)")
+        def on_cut(tag: str, before: int, after: int) -> None:
+            console.print(
+                f"verify: a probe request to {tag} timed out; its in-flight limit {before} → {after} "
+                "(timed-out probes are retried)"
+            )
 
         auditor = Auditor(gateway, reference, design, concurrency=v.concurrency, siblings=siblings, on_cut=on_cut)
         audits = [Audit(r.subject.provider, r.subject.tag, "logprob" if r.logprobs else "sample") for r in rows]

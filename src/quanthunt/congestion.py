@@ -10,6 +10,10 @@ retries. So the limit backs off as TCP's congestion window does (AIMD, RFC 5681)
   (requests sent before the last cut do not cut it again: they saw the old limit);
 - each success grows it by ``1 / limit`` (about one more per round trip), up to ``ceiling``.
 
+The auditor keeps one limit per endpoint (``verification.Auditor.limit``): on OpenRouter
+each provider is its own backend with its own queue, so one provider's timeouts say
+nothing about another's.
+
 Usage::
 
     limit = AdaptiveLimit(256)

@@ -391,8 +391,10 @@ class Verify(_Section):
     """The stage refuses to start when the planned probe cost (every provider audited to
     ``max_probes_per_provider``) exceeds this."""
     concurrency: int = Field(ge=1, le=2000)
-    """Probe requests in flight at most: the ceiling of the adaptive limit, which halves when
-    a request times out and grows back as requests succeed (``quanthunt.congestion``)."""
+    """Probe requests in flight at most at each endpoint: the ceiling of its adaptive limit,
+    which halves when a request to it times out and grows back as its requests succeed
+    (``quanthunt.congestion``, one limit per endpoint: ``Auditor.limit``); also the most
+    completions scored at the reference at once."""
     max_attempts: int = Field(ge=1, le=10)
     request_timeout_s: float = Field(gt=0, le=3600)
     """How long a probe request may wait for its reply once sent, plus ``max_tokens`` at the

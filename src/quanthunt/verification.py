@@ -7,10 +7,11 @@ measured of each completion is ``quanthunt.measurements``. This module holds the
 ``Scorer`` that has the reference score a completion teacher-forced (the generate stage's
 monitor uses it too).
 
-Probe requests go out under an adaptive in-flight limit (``quanthunt.congestion``): a
-gateway that queues makes the audit slower, and a timed-out probe is sent again under the
-lowered limit, never replaced by another. Every completion asked for is either measured or
-counted in ``Audit.unusable`` with its reason.
+Probe requests go out under an adaptive in-flight limit per endpoint (``quanthunt.congestion``):
+a provider that queues makes its own audit slower, not the others' (on OpenRouter each
+provider is its own backend), and a timed-out probe is sent again under the lowered limit,
+never replaced by another. Every completion asked for is either measured or counted in
+``Audit.unusable`` with its reason.
 
 The audit runs in rounds (``audit_rounds``): after each, the caller's ``settled`` says which
 providers are decided, and the rest get the next probes of the same seeded order.
@@ -20,6 +21,7 @@ providers are decided, and the rest get the next probes of the same seeded order
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import statistics
 from collections import Counter
@@ -69,9 +71,10 @@ def probe_timeout(request_timeout_s: float) -> httpx.Timeout:
     return httpx.Timeout(connect=GATEWAY_TIMEOUT.connect, read=request_timeout_s, write=GATEWAY_TIMEOUT.write, pool=None)
 
 
-def probe_limits(concurrency: int) -> httpx.Limits:
-    """A connection for each probe request the auditor may have in flight."""
-    return httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+def probe_limits(concurrency: int, *, endpoints: int = 1) -> httpx.Limits:
+    """A connection for each probe request the auditor may have in flight: ``concurrency``
+    at each of ``endpoints`` (``Auditor.limit``)."""
+    return httpx.Limits(max_connections=concurrency * endpoints, max_keepalive_connections=concurrency * endpoints)
 
 
 class Scorer:
@@ -147,8 +150,11 @@ def thought_while_off(reasoning: Reasoning, reply: ChatReply, errors: Counter[st
 
 
 class Auditor:
-    """Runs the probes of one stage: gateway and reference clients, a concurrency limit,
-    and caches of what every provider shares (prompt token ids, reference samples)."""
+    """Runs the probes of one stage: gateway and reference clients, an adaptive in-flight
+    limit per endpoint, a bound on the work at the reference, and caches of what every
+    provider shares (prompt token ids, reference samples).
+
+    ``on_cut(tag, before, after)`` hears of every cut of an endpoint's limit."""
 
     def __init__(
         self,
@@ -158,7 +164,7 @@ class Auditor:
         *,
         concurrency: int,
         siblings: Sequence[str] = (),
-        on_cut: Callable[[int, int], None] = lambda *_: None,
+        on_cut: Callable[[str, int, int], None] = lambda *_: None,
     ) -> None:
         self.gateway = gateway
         self.siblings = tuple(siblings)
@@ -166,13 +172,44 @@ class Auditor:
         self.reference = reference
         self.design = design
         self.scorer = Scorer(reference, design.reasoning, top_logprobs=design.top_logprobs, attempts=design.max_attempts)
-        self._gate = asyncio.Semaphore(concurrency)
-        self.limit = AdaptiveLimit(concurrency, on_cut=on_cut)
-        """Probe requests in flight at the gateway (``quanthunt.congestion``)."""
+        self.concurrency = concurrency
+        self.limits: dict[str, AdaptiveLimit] = {}
+        """Probe requests in flight at each endpoint, by tag (``limit``)."""
+        self._on_cut = on_cut
+        self._at_reference = asyncio.Semaphore(concurrency)
+        """Completions being scored (and reference samples drawn) at once: the reference is
+        the team's one server, shared by every provider's probes, so one bound for all. It
+        is taken only once a reply is in: a probe waiting for its endpoint holds nothing
+        here, and no provider's failure lowers it."""
         self.free_timeout_retries = math.ceil(math.log2(concurrency)) + 1
         """Timeout retries that use up no attempt: enough cuts to take the limit to 1."""
         self._prompt_ids: dict[str, list[int]] = {}
         self._reference_samples: dict[tuple[str, int], asyncio.Task[SampledText | None]] = {}
+
+    def limit(self, tag: str) -> AdaptiveLimit:
+        """The in-flight limit of endpoint ``tag`` (``quanthunt.congestion``), every one with
+        the same ceiling, ``concurrency``.
+
+        One per endpoint, because on OpenRouter each provider is its own backend: with one
+        limit for all, a provider that queued cut it for every provider (issue 27: 24 → 2 →
+        1) and the others' probes crawled behind it. Nor is any bound on requests shared by
+        every endpoint: the queueing provider's requests hold it until they time out
+        (``request_timeout_s``: minutes on OpenRouter) while the others' wait behind them.
+        Measured by ``test_a_queueing_endpoint_slows_only_its_own_probes`` (ceiling 8, a
+        provider serving 4 at a time listed first), two fast providers' probes finished in
+
+        - one limit, and at most 8 completions at once (before): 1.2 s and 2.3 s alone, 6.4 s
+          and 7.4 s beside it;
+        - a limit each under that bound on completions: 1.2 s and 2.3 s, 5.6 s and 6.7 s;
+        - a limit each under a total of 8 requests in flight: 1.6 s and 2.1 s, 3.3 s and 3.8 s;
+        - a limit each, nothing shared at the gateway (now): 1.2 s and 1.2 s, both beside it too.
+
+        So the total in flight is bounded only by the endpoints' ceilings together
+        (``probe_limits`` sizes the connection pool for exactly that); what every provider
+        does share, the reference, keeps its own bound (``_at_reference``)."""
+        if tag not in self.limits:
+            self.limits[tag] = AdaptiveLimit(self.concurrency, on_cut=functools.partial(self._on_cut, tag))
+        return self.limits[tag]
 
     async def prompt_ids(self, probe: Probe, errors: Counter[str]) -> list[int]:
         if probe.id not in self._prompt_ids:
@@ -213,9 +250,10 @@ class Auditor:
         toward short answers. The retried request keeps its ``seq``, and one that still
         fails is reported (``Audit.unusable``), where ``decision.max_failed_share`` bounds
         how many there may be."""
+        limit = self.limit(audit.tag)
         attempts = free = 0
         while True:
-            async with self.limit.slot() as ticket:
+            async with limit.slot() as ticket:
                 try:
                     reply = await self.gateway.chat(body)
                 except GatewayError as exc:
@@ -223,9 +261,9 @@ class Auditor:
                     error, lowered = exc, False
                     if exc.kind == "timeout":
                         audit.possibly_billed += 1
-                        lowered = self.limit.timed_out(ticket)
+                        lowered = limit.timed_out(ticket)
                 else:
-                    self.limit.succeeded(ticket)
+                    limit.succeeded(ticket)
                     return reply
             if lowered and free < self.free_timeout_retries:
                 free += 1
@@ -242,30 +280,30 @@ class Auditor:
         return await self.scorer.text(prompt, ids, errors, probe_id=probe.id, index=index, source=source, seq=seq)
 
     async def logprob_completion(self, audit: Audit, probe: Probe, index: int, seq: int) -> None:
-        async with self._gate:
-            audit.attempted += 1
-            try:
-                reply = await self._ask(audit, probe, index, logprobs=True)
-                if not reply.logprobs and not (reply.content or reply.reasoning):
-                    audit.unusable_completion("empty_completion")  # the model stopped at once: nothing to pair
-                    audit.errors["empty_completion"] += 1
-                    return
-                if not reply.logprobs:
-                    audit.unusable_completion("no_logprobs")
-                    audit.errors["no_logprobs"] += 1
-                    return
-                if thought_while_off(self.design.reasoning, reply, audit.errors):
-                    audit.unusable_completion("reasoning_not_off")
-                    return
+        audit.attempted += 1
+        try:
+            reply = await self._ask(audit, probe, index, logprobs=True)
+            if not reply.logprobs and not (reply.content or reply.reasoning):
+                audit.unusable_completion("empty_completion")  # the model stopped at once: nothing to pair
+                audit.errors["empty_completion"] += 1
+                return
+            if not reply.logprobs:
+                audit.unusable_completion("no_logprobs")
+                audit.errors["no_logprobs"] += 1
+                return
+            if thought_while_off(self.design.reasoning, reply, audit.errors):
+                audit.unusable_completion("reasoning_not_off")
+                return
+            async with self._at_reference:
                 prompt = await self.prompt_ids(probe, audit.errors)
                 completion = await self.scorer.logprobs(prompt, reply, audit.errors, probe_id=probe.id, index=index, seq=seq)
-                if not completion.deltas:  # the first token already tokenizes otherwise: counted, not hidden
-                    audit.unusable_completion("unpaired_tokens")
-                    audit.errors["unpaired_tokens"] += 1
-                    return
-                audit.logprob.append(completion)
-            except GatewayError as exc:
-                audit.unusable_completion(exc.kind)
+            if not completion.deltas:  # the first token already tokenizes otherwise: counted, not hidden
+                audit.unusable_completion("unpaired_tokens")
+                audit.errors["unpaired_tokens"] += 1
+                return
+            audit.logprob.append(completion)
+        except GatewayError as exc:
+            audit.unusable_completion(exc.kind)
 
     async def reference_sample(self, probe: Probe, index: int, seq: int) -> SampledText | None:
         key = (probe.id, index)
@@ -276,7 +314,7 @@ class Auditor:
     async def _reference_sample(self, probe: Probe, index: int, seq: int) -> SampledText | None:
         d = self.design
         errors: Counter[str] = Counter()
-        async with self._gate:
+        async with self._at_reference:
             try:
                 sampled = await with_retries(
                     lambda: self.reference.sample(
@@ -295,22 +333,22 @@ class Auditor:
                 return None
 
     async def sampled_completion(self, audit: Audit, probe: Probe, index: int, seq: int, *, with_reference: bool) -> None:
-        async with self._gate:
-            audit.attempted += 1
-            try:
-                reply = await self._ask(audit, probe, index, logprobs=False)
-                if thought_while_off(self.design.reasoning, reply, audit.errors):
-                    audit.unusable_completion("reasoning_not_off")
-                    return
+        audit.attempted += 1
+        try:
+            reply = await self._ask(audit, probe, index, logprobs=False)
+            if thought_while_off(self.design.reasoning, reply, audit.errors):
+                audit.unusable_completion("reasoning_not_off")
+                return
+            async with self._at_reference:
                 ids = await self.scorer.completion_ids(reply.content, reply.reasoning, reply.finish_reason, audit.errors)
                 scored = await self._score_text(probe, index, "provider", ids, audit.errors, seq=seq)
-                if not scored.tokens:  # no text (or none the reference scored): no rank z to measure
-                    audit.unusable_completion("unscored_tokens" if ids else "empty_completion")
-                    return
-                audit.sampled.append(scored)
-            except GatewayError as exc:
-                audit.unusable_completion(exc.kind)
+            if not scored.tokens:  # no text (or none the reference scored): no rank z to measure
+                audit.unusable_completion("unscored_tokens" if ids else "empty_completion")
                 return
+            audit.sampled.append(scored)
+        except GatewayError as exc:
+            audit.unusable_completion(exc.kind)
+            return
         if with_reference:  # the reference's own samples feed only the first round's baselines
             reference = await self.reference_sample(probe, index, seq)
             if reference is not None:
