@@ -92,13 +92,19 @@ def test_verdicts_match_the_roster_and_repeat(small: Project) -> None:
         (p["provider"], p["verdict"]) for p in verdicts["providers"]
     ]
     # Batching may flip a sampled token at a near-tie (tests/sandbox/test_sampler.py), so the
-    # effects may move a little between runs, never beyond the first run's interval.
+    # effects may move a little between runs. With fp32 compute the texts are the same but for
+    # such flips, so each effect stays inside the first run's interval; with bf16 compute most
+    # texts change (a rerun batches differently, as a real server's would), so the rerun is a
+    # new sample, and its interval must overlap the first (what the README states).
+    bf16 = {p["tag"] for p in ROSTER["providers"] if p["precision"] == "int4-bf16act"}
     for first_run, second in zip(verdicts["providers"], repeat["providers"], strict=True):
         for name, effect in first_run["effects"].items():
-            assert effect["ci_low"] - 1e-9 <= second["effects"][name]["value"] <= effect["ci_high"] + 1e-9, (
-                name,
-                first_run["tag"],
-            )
+            again_effect = second["effects"][name]
+            if first_run["tag"] in bf16:
+                overlap = again_effect["ci_low"] <= effect["ci_high"] and effect["ci_low"] <= again_effect["ci_high"]
+                assert overlap, (name, first_run["tag"], effect, again_effect)
+            else:
+                assert effect["ci_low"] - 1e-9 <= again_effect["value"] <= effect["ci_high"] + 1e-9, (name, first_run["tag"])
 
 
 def test_refuses_to_start_over_the_probe_budget(small: Project) -> None:
