@@ -167,8 +167,10 @@ class _Scheduler:
                     if lane.running:
                         self._guarded(precision, [], self._step)
         failure = SandboxError("the sandbox engine is shut down")
-        for futures in self._running.values():
-            for future in futures:
+        with self._cond:
+            left = [job.future for job in self._queue] + [job.future for jobs in self._waiting.values() for job in jobs]
+        for future in left + [future for futures in self._running.values() for future in futures]:
+            if not future.done():
                 future.set_exception(failure)
 
     def _guarded(self, precision: str, jobs: list[_Job], work: Any) -> None:
