@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -147,12 +147,26 @@ def test_a_queueing_endpoint_slows_only_its_own_probes(latency_sandbox: Callable
     fast = [provider(slug, latency_ms=500) for slug in FAST]
     sandbox = latency_sandbox(roster_dict(QUEUEING, *fast))
     finishing_times(sandbox, FAST)  # warm: the first audit of a fresh sandbox is the slowest on a loaded machine
-    alone, _, _ = finishing_times(sandbox, FAST)
-    together, audits, auditor = finishing_times(sandbox, ("slow", *FAST))  # listed first: its requests go out first
+    # A busy test machine can only slow a run down (measured once: 1.75 s alone, then 1.12 s
+    # with the queueing endpoint), so each side is the fastest of two runs.
+    alone = fastest(finishing_times(sandbox, FAST)[0] for _ in range(2))
+    runs = [finishing_times(sandbox, ("slow", *FAST)) for _ in range(2)]  # listed first: its requests go out first
+    together = fastest(times for times, _, _ in runs)
     print(f"\nfast endpoints alone {alone}, with the queueing one {together}")
-    assert audits["slow"].errors["timeout"] > 0, "the queueing endpoint never timed out: nothing tests its congestion"
-    assert auditor.limits["slow/int4"].cuts > 0
+    for _, audits, auditor in runs:
+        assert audits["slow"].errors["timeout"] > 0, "the queueing endpoint never timed out: nothing tests its congestion"
+        assert auditor.limits["slow/int4"].cuts > 0
+        for slug in FAST:
+            assert auditor.limits[f"{slug}/int4"].cuts == 0
+            assert len(audits[slug].logprob) == len(PROBES) and not audits[slug].errors, audits[slug]
     for slug in FAST:
         assert abs(together[slug] - alone[slug]) <= 0.2 * alone[slug], (slug, alone, together)
-        assert auditor.limits[f"{slug}/int4"].cuts == 0
-        assert len(audits[slug].logprob) == len(PROBES) and not audits[slug].errors, audits[slug]
+
+
+def fastest(runs: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Each endpoint's shortest time over ``runs``."""
+    best: dict[str, float] = {}
+    for times in runs:
+        for slug, seconds in times.items():
+            best[slug] = min(seconds, best.get(slug, seconds))
+    return best
