@@ -55,7 +55,11 @@ def test_requests_joining_a_running_batch_get_their_own_text() -> None:
     order: list[int] = []
 
     def keep(i: int) -> Callable[[Sample], None]:
-        return lambda sample: (got.__setitem__(i, sample), order.append(i))  # type: ignore[func-returns-value]
+        def done(sample: Sample) -> None:
+            got[i] = sample
+            order.append(i)
+
+        return done
 
     with torch.inference_mode():
         waiting = list(enumerate(requests))

@@ -142,12 +142,12 @@ class Decoder:
         # duplicated, cos/sin, then cast to the compute dtype (bf16 servers keep inv_freq fp32).
         inv_freq = core.rotary_emb.inv_freq.to(torch.float32)
         scaling = float(getattr(core.rotary_emb, "attention_scaling", 1.0))
-        positions = torch.arange(int(config.max_position_embeddings), dtype=torch.float32)
+        self.context_length = int(config.max_position_embeddings)
+        positions = torch.arange(self.context_length, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos = (angles.cos() * scaling).to(self.dtype)
         self.sin = (angles.sin() * scaling).to(self.dtype)
-        self.context_length = int(config.max_position_embeddings)
 
     def new_cache(self) -> SlotCache:
         return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)

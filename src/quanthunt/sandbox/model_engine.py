@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,14 +73,17 @@ class _Job:
     future: Future[Any]
 
 
-def _token_bounded(jobs: list[_Job], length: Any, budget: int) -> list[list[_Job]]:
+def _token_bounded(jobs: list[_Job], length: Callable[[_Job], int], budget: int) -> list[list[_Job]]:
     """Split ``jobs`` into runs whose padded size (rows x longest) stays within ``budget``."""
     groups: list[list[_Job]] = []
+    longest = 0
     for job in jobs:
-        if groups and (len(groups[-1]) + 1) * max(length(j) for j in [*groups[-1], job]) <= budget:
+        longest = max(longest, length(job))
+        if groups and (len(groups[-1]) + 1) * longest <= budget:
             groups[-1].append(job)
         else:
             groups.append([job])
+            longest = length(job)
     return groups
 
 
@@ -173,7 +176,7 @@ class _Scheduler:
             if not future.done():
                 future.set_exception(failure)
 
-    def _guarded(self, precision: str, jobs: list[_Job], work: Any) -> None:
+    def _guarded(self, precision: str, jobs: list[_Job], work: Callable[[str, list[_Job]], None]) -> None:
         """Run ``work``; on an error, fail its jobs and everything running at ``precision``
         (the thread must survive a bad batch) and start that lane afresh."""
         try:
@@ -216,7 +219,7 @@ class _Scheduler:
             tokens = lane.admit([(job.payload, self._resolver(precision, job.future)) for job in group])
             self.stats.record("prefill", len(group), tokens, time.perf_counter() - started)
 
-    def _resolver(self, precision: str, future: Future[Any]) -> Any:
+    def _resolver(self, precision: str, future: Future[Any]) -> Callable[[Sample], None]:
         def done(sample: Sample) -> None:
             self._running[precision].discard(future)
             future.set_result(sample)

@@ -221,11 +221,10 @@ class Sampler:
     call admitted together (benchmarks and tests; the server's engine feeds a ``Lane`` as
     requests arrive)."""
 
-    def __init__(self, model: nn.Module, tokenizer: object, *, stop_token_ids: Sequence[int], max_batch: int = 1024) -> None:
+    def __init__(self, model: nn.Module, tokenizer: object, *, stop_token_ids: Sequence[int]) -> None:
         self.decoder = Decoder(model)
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
-        self.max_batch = max_batch
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))  # type: ignore[attr-defined]

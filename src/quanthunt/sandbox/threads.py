@@ -4,7 +4,8 @@ Every core is the right answer on a quiet machine and the wrong one on a busy ma
 OpenMP threads wait for each other at the end of every operation (a step is ~400 of them),
 spinning while they wait, so when another process holds one of the cores each operation
 waits for the scheduler to give the descheduled thread its turn. Measured on 2 cores
-(SmolLM2-135M, fp32, tok/s at batch 1 / 8):
+(SmolLM2-135M, fp32 weights through MKL, before they were packed for oneDNN; tok/s at batch
+1 / 8):
 
 | | 2 threads | 1 thread |
 |---|---|---|
