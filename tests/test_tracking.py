@@ -3,13 +3,22 @@ alive from dead (the stage runs themselves: ``tests/stages``)."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
+from quanthunt import interrupts
 from quanthunt.errors import ConfigError
-from quanthunt.tracking import Invocation, pipeline_invocation, process_gone, process_identity
+from quanthunt.params import load_params
+from quanthunt.tracking import Invocation, pipeline_invocation, process_gone, process_identity, stage_run
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -49,3 +58,28 @@ def test_a_finished_process_is_gone_and_a_live_one_is_not() -> None:
     child.wait()
     assert process_gone(identity)
     assert not process_gone("another-host:1:1")  # cannot be told from here: never declared dead
+
+
+def test_a_stop_whose_interrupt_was_dropped_still_ends_the_run_killed(
+    tmp_path: Path, mlflow_template: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python drops an exception raised inside a finaliser: SIGTERM landing in
+    ``BaseEventLoop.__del__`` let a survey run on to its end and close FINISHED (1 run in 4
+    of ``test_sigterm_ends_the_stage_run_killed_at_once``). The signal's record decides."""
+    for name in ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_STAGE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(interrupts, "_received", [])
+    shutil.copy(mlflow_template, tmp_path / "mlflow.db")
+    params = load_params(REPO / "params.yaml")
+    stage = stage_run("survey", params=params, section=params.survey, root=tmp_path, experiment="quanthunt")
+    with stage as run, contextlib.suppress(KeyboardInterrupt):  # as the finaliser swallowed it
+        interrupts.interrupt(signal.SIGTERM, None)
+    assert interrupts.received() == ("SIGTERM",)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    stopped = client.get_run(run.run_id)
+    assert stopped.info.status == "KILLED"
+    assert stopped.data.tags["quanthunt.error"] == "stopped by Ctrl-C or SIGTERM"
+    monkeypatch.setattr(interrupts, "_received", [])
+    with stage_run("survey", params=params, section=params.survey, root=tmp_path, experiment="quanthunt") as later:
+        pass
+    assert client.get_run(later.run_id).info.status == "FINISHED"

@@ -25,6 +25,25 @@ from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+_received: list[str] = []
+
+
+def interrupt(signum: int, frame: object) -> None:
+    """The process-wide handler of SIGINT and SIGTERM (the CLI installs it): records the
+    signal, then raises ``KeyboardInterrupt`` to unwind whatever runs."""
+    _received.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt
+
+
+def received() -> tuple[str, ...]:
+    """Stop signals ``interrupt`` has handled in this process, in order.
+
+    The record outlives the exception: Python drops one raised while it finalises an object
+    (a signal landing in ``BaseEventLoop.__del__``, or while it forks), and the work then
+    goes on to a normal end. Whoever reports how the process ended reads this, not only the
+    exception (the CLI's exit code, an MLflow run's end status)."""
+    return tuple(_received)
+
 
 class StopSignals:
     """SIGINT and SIGTERM handlers for the running event loop, while in the ``with`` block.

@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from quanthunt import __version__
+from quanthunt import __version__, interrupts
 from quanthunt.errors import EXIT_INTERRUPTED, ConfigError, QuanthuntError
 from quanthunt.params import section_digest
 from quanthunt.redaction import redact, redact_data
@@ -338,6 +338,10 @@ def end_stale_runs(client: Any, experiment_id: str) -> list[str]:
     return ended
 
 
+STOPPED = "stopped by Ctrl-C or SIGTERM"
+"""The error tag of a stage run ended KILLED by a stop signal."""
+
+
 def ended_status(exc: BaseException) -> str:
     """MLflow's end status for a stage stopped by ``exc``: KILLED for a stop (Ctrl-C,
     SIGTERM: ``KeyboardInterrupt``, or ``EXIT_INTERRUPTED``, e.g. a graceful stop's own
@@ -388,12 +392,16 @@ def stage_run(stage: str, *, params: BaseModel, section: BaseModel, root: Path, 
         run.log_dict(params.model_dump(mode="json"), "params.resolved.json")
         yield run
         status = "FINISHED"
+        if interrupts.received():  # its KeyboardInterrupt was dropped (raised in a finaliser)
+            status = "KILLED"  # and the stage ran on to its end; it was stopped all the same
+            with contextlib.suppress(Exception):
+                run.set_tags({"quanthunt.error": STOPPED})
     except BaseException as exc:
         status = ended_status(exc)
         if isinstance(exc, QuanthuntError):
             message = str(exc)
         elif status == "KILLED":
-            message = "stopped by Ctrl-C or SIGTERM"
+            message = STOPPED
         else:
             message = f"{exc.__class__.__name__}: {exc}"
         with contextlib.suppress(Exception):

@@ -8,6 +8,7 @@ import sys
 
 import typer
 
+from quanthunt import interrupts
 from quanthunt.cli import compare, reference, sandbox, stages, worker
 from quanthunt.errors import EXIT_INTERRUPTED, QuanthuntError
 from quanthunt.redaction import redact
@@ -26,15 +27,6 @@ app.command(rich_help_panel="Provenance")(compare.compare)
 app.command(rich_help_panel="Scale-out")(worker.worker)
 
 
-_received: list[str] = []
-"""Stop signals received, in order."""
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    _received.append(signal.Signals(signum).name)
-    raise KeyboardInterrupt
-
-
 def main() -> None:
     """Entry point: user-facing errors become one line on stderr and an exit code.
 
@@ -44,7 +36,7 @@ def main() -> None:
     Python drops an exception raised while it forks (``Exception ignored in
     _releaseLock``): a signal that lands then still ends the command with 130."""
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
+        signal.signal(sig, interrupts.interrupt)
     try:
         app()
     except QuanthuntError as exc:
@@ -53,8 +45,8 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
     except SystemExit as exc:
-        if not _received or exc.code not in (0, None):
+        if not interrupts.received() or exc.code not in (0, None):
             raise
-    if _received:
-        print(f"error: interrupted by {_received[0]}", file=sys.stderr)
+    if signals := interrupts.received():
+        print(f"error: interrupted by {signals[0]}", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
