@@ -34,6 +34,30 @@ def invariants(bed: GenerationBed) -> int:
     return len(ids)
 
 
+def attempts(bed: GenerationBed) -> int:
+    """Requests the ledger has recorded (none before the first run made its tables)."""
+    path = bed.project.root / "state/ledger.sqlite"
+    if not path.exists():
+        return 0
+    db = sqlite3.connect(path)
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM attempts").fetchone()[0])
+    except sqlite3.OperationalError:  # no such table yet
+        return 0
+    finally:
+        db.close()
+
+
+def wait_until_sending(bed: GenerationBed, proc: subprocess.Popen[bytes], before: int, timeout_s: float = 300) -> None:
+    """Until ``proc`` has recorded a request of its own. The random instant is counted from
+    here, not from the start: a busy machine took over 9 s to start a run, so every kill of
+    a fixed 3-9 s window landed before the first request and the test measured nothing."""
+    deadline = time.monotonic() + timeout_s
+    while attempts(bed) <= before:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never sent a request"
+        time.sleep(0.1)
+
+
 def test_kill_anywhere_then_resume(generation_bed: Callable[..., GenerationBed]) -> None:
     bed = generation_bed(
         records=300,
@@ -47,7 +71,8 @@ def test_kill_anywhere_then_resume(generation_bed: Callable[..., GenerationBed])
             [str(BIN / "quanthunt"), "generate", "tiny", "--params", "params.yaml"], cwd=bed.project.root, env=bed.project.env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        time.sleep(rng.uniform(3.0, 9.0))
+        wait_until_sending(bed, proc, attempts(bed))
+        time.sleep(rng.uniform(0.0, 6.0))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         counts.append(invariants(bed))

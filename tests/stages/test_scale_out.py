@@ -53,7 +53,9 @@ def fleet(generation_bed: Callable[..., GenerationBed], postgres_url: str) -> It
 
 
 def test_three_workers_and_the_coordinator_share_one_dataset(fleet: Callable[..., Fleet]) -> None:
-    crew = fleet(latency_ms=500)  # long enough that the workers, a few seconds to start, find work left
+    # Long enough that the workers find work left: each takes seconds to start (over 10 s on a
+    # busy machine, where at 500 ms the coordinator had done all 120 records alone).
+    crew = fleet(latency_ms=2000)
     crew.start(3)
     sessions = crew.rows(
         "SELECT application_name, COUNT(*) FROM pg_stat_activity WHERE application_name LIKE 'quanthunt-worker-%' GROUP BY 1"
@@ -76,7 +78,7 @@ def test_three_workers_and_the_coordinator_share_one_dataset(fleet: Callable[...
 def test_workers_killed_at_random_instants_lose_and_duplicate_nothing(fleet: Callable[..., Fleet]) -> None:
     import random
 
-    crew = fleet(records=200, latency_ms=300)
+    crew = fleet(records=200, latency_ms=1000)  # at 300 ms a busy machine's coordinator finished before a kill counted
     crew.start(3)
     rng = random.Random(17)
     kills = 0
@@ -98,7 +100,7 @@ def test_workers_killed_at_random_instants_lose_and_duplicate_nothing(fleet: Cal
 def test_a_stopped_worker_past_its_lease_writes_nothing_when_it_wakes(fleet: Callable[..., Fleet]) -> None:
     """The zombie: SIGSTOP a worker holding claims until it is presumed dead and its
     claims are taken, then SIGCONT. Nothing it starts or writes after lands."""
-    crew = fleet(records=160, latency_ms=300)
+    crew = fleet(records=160, latency_ms=1000)  # the worker must claim before the coordinator is done
     crew.start(2)
     assert crew.workers is not None
     zombie = crew.workers[0]
@@ -133,7 +135,7 @@ def test_workers_ride_out_a_database_restart(fleet: Callable[..., Fleet], postgr
 def test_a_worker_cut_off_from_the_database_pays_for_nothing_twice(fleet: Callable[..., Fleet]) -> None:
     """A partition between one worker and PostgreSQL (its packets vanish; the gateway still
     answers it): the others take over its records; no charge goes unaccounted."""
-    crew = fleet(records=160, latency_ms=300)
+    crew = fleet(records=160, latency_ms=1000)  # the cut-off worker must start work before the others are done
     crew.start(1)
     host, port = crew.url.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)
     with TcpProxy(host, int(port)) as proxy:
