@@ -78,11 +78,12 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-# Stage tests mostly wait on their subprocesses, so two workers share the two cores well;
-# tests on the real model stay on one worker (tests/conftest.py). TEST_WORKERS=0 runs serially.
+# Stage tests mostly wait on their subprocesses, so two workers share the two cores well
+# (each worker that runs a test on the real model loads its own model sandbox:
+# tests/fixtures/sandbox.py says why). TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 unit: install
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup -m "not engines" --durations=15
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist load -m "not engines" --durations=15
 
 test: browser postgres lint typecheck unit
 
