@@ -10,7 +10,9 @@ driven the same way over loopback HTTP, through its vLLM-style ``/v1/completions
   ``ignore_eos`` so every request runs its full length), for batch 1, 8, 32 and 64 and 384
   tokens; tokens/s = completion tokens / wall time, the median of ``--repeats`` runs;
 - **scoring**: teacher-forced logprobs (``echo``, ``max_tokens`` 0, top 5) of 32 sequences
-  of 256 tokens, 8 in flight, as verify scores providers' completions; tokens/s scored.
+  of 256 tokens, 8 in flight, as verify scores providers' completions; tokens/s scored. Each
+  repeat draws new random sequences, which share no prefix, so neither engine's prefix
+  cache (vLLM's, the sandbox's ``ScoreCache``) serves any of them.
 
 Beside them, the memory-bandwidth bound: a decode step reads every weight once (fp32), so at
 the machine's measured read bandwidth a step takes at least weight bytes / bandwidth, and
@@ -87,7 +89,7 @@ async def scoring_rate(client: httpx.AsyncClient, url: str, model: str, sequence
     return sum(done) / (time.perf_counter() - started)
 
 
-async def measure(url: str, model: str, prompt: list[int], sequences: list[list[int]], repeats: int) -> dict[str, float]:
+async def measure(url: str, model: str, prompt: list[int], sequences: list[list[list[int]]], repeats: int) -> dict[str, float]:
     rates: dict[str, float] = {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
         await sampling_rate(client, url, model, prompt, 2, 8)  # warm-up
@@ -95,7 +97,7 @@ async def measure(url: str, model: str, prompt: list[int], sequences: list[list[
             runs = [await sampling_rate(client, url, model, prompt, batch, tokens) for _ in range(repeats)]
             rates[f"sample b{batch} t{tokens}"] = statistics.median(runs)
             print(f"  sample batch {batch:>2} x {tokens} tokens: {rates[f'sample b{batch} t{tokens}']:.1f} tok/s", flush=True)
-        runs = [await scoring_rate(client, url, model, sequences) for _ in range(repeats)]
+        runs = [await scoring_rate(client, url, model, sequences[repeat]) for repeat in range(repeats)]
         rates["score"] = statistics.median(runs)
         print(f"  score {SCORE_SEQUENCES} x {SCORE_LENGTH}, {SCORE_IN_FLIGHT} in flight: {rates['score']:.1f} tok/s", flush=True)
     return rates
@@ -117,7 +119,10 @@ def main() -> None:
     prompt = [int(i) for i in chat["input_ids"]]
     vocabulary = int(tokenizer.vocab_size)
     generator = torch.Generator().manual_seed(0)
-    sequences = [torch.randint(3, vocabulary, (SCORE_LENGTH,), generator=generator).tolist() for _ in range(SCORE_SEQUENCES)]
+    sequences = [
+        [torch.randint(3, vocabulary, (SCORE_LENGTH,), generator=generator).tolist() for _ in range(SCORE_SEQUENCES)]
+        for _ in range(args.repeats)
+    ]
     model = ModelInfo().id
     logs = Path(tempfile.mkdtemp(prefix="sandbox-engine-"))
     measured: dict[str, dict[str, float]] = {}

@@ -1,4 +1,5 @@
-"""The engine's compute thread: closing it answers every request it holds."""
+"""The engine's compute thread: closing it answers every request it holds, and scoring
+shares a prompt's computation among the completions that arrive with it."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import asyncio
 import pytest
 
 from quanthunt.errors import SandboxError
-from quanthunt.sandbox.engine import SamplingRequest
+from quanthunt.sandbox.engine import OutToken, SamplingRequest
+from quanthunt.sandbox.model import load_reference
 from quanthunt.sandbox.model_engine import ModelEngine
+from quanthunt.sandbox.sampler import PREFIX_BLOCK, Sampler
 
 pytestmark = pytest.mark.model
 
@@ -27,3 +30,28 @@ def test_closing_fails_running_and_waiting_requests_instead_of_leaving_them_hang
 
     answers = asyncio.run(scenario())
     assert len(answers) == 40 and all(isinstance(a, SandboxError) for a in answers), answers
+
+
+def test_completions_of_one_new_prompt_scored_together_compute_the_prompt_once() -> None:
+    """Four completions of one prompt arrive in one batch: one of them is scored first and
+    the other three start where its blocks end; their scores equal each one's alone."""
+    engine = ModelEngine.load()
+    prompt = engine.encode_chat([{"role": "user", "content": "Explain how a hash map works, briefly."}])
+    sequences = [prompt + engine.encode_text(tail) for tail in ("Keys hash to buckets.", "A table.", "It maps keys.", "Hashing!")]
+
+    async def scenario() -> list[list[OutToken | None]]:
+        return list(await asyncio.gather(*(engine.score(ids, top_logprobs=5) for ids in sequences)))
+
+    together = asyncio.run(scenario())
+    stats = engine.compute_stats()
+    engine.close()
+    computed, reused = stats["score"]["tokens"], stats["score_cached"]["tokens"]
+    shared = len(prompt) // PREFIX_BLOCK * PREFIX_BLOCK - 1  # the prompt's whole blocks but the last position
+    assert computed + reused == sum(len(ids) for ids in sequences)
+    assert reused >= 3 * shared, stats
+    model, tokenizer = load_reference()
+    alone = Sampler(model, tokenizer, stop_token_ids=[])  # no cache: each sequence in one causal pass
+    for ids, scored in zip(sequences, together, strict=True):
+        own = alone.score(ids, top_logprobs=5)
+        assert [t.token.id if t else None for t in scored] == [t.token_id if t else None for t in own]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(scored[1:], own[1:], strict=True) if a and b) < 1e-4

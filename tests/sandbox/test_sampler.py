@@ -10,9 +10,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from quanthunt.sandbox.decoder import Decoder
 from quanthunt.sandbox.engine import SamplingRequest
 from quanthunt.sandbox.model import load_reference
-from quanthunt.sandbox.sampler import Lane, Sample, Sampler
+from quanthunt.sandbox.sampler import PREFIX_BLOCK, Lane, Sample, Sampler, ScoreCache, TokenLogprob, score_batch
 
 pytestmark = pytest.mark.model
 
@@ -92,3 +93,69 @@ def test_ignore_eos_runs_every_request_to_max_tokens() -> None:
     forced = [s for s, r in zip(samples, requests, strict=True) if r.ignore_eos]
     assert any(s.finish_reason == "stop" for s in stopped)  # "Say hi." ends early at EOS without it
     assert all(len(s.token_ids) == 40 and s.finish_reason == "length" for s in forced)
+
+
+def _scored_sequences(tokenizer: object) -> list[list[int]]:
+    """Three completions of one prompt and one of another (every prompt shares the chat
+    template's system header), of several lengths."""
+    sequences = []
+    completions = {
+        QUESTIONS[0]: ("A map of keys.", "Buckets!", "It hashes each key to a bucket index"),
+        QUESTIONS[2]: ("Rayleigh.",),
+    }
+    for question, tails in completions.items():
+        messages = [{"role": "user", "content": question}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]  # type: ignore[attr-defined]
+        for tail in tails:
+            sequences.append([int(i) for i in prompt] + tokenizer(tail, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+    return sequences
+
+
+def _assert_same_scores(cached: list[TokenLogprob | None], whole: list[TokenLogprob | None], tolerance: float) -> None:
+    assert len(cached) == len(whole) and cached[0] is None and whole[0] is None
+    for ours, theirs in zip(cached[1:], whole[1:], strict=True):
+        assert ours is not None and theirs is not None and ours.token_id == theirs.token_id
+        assert abs(ours.logprob - theirs.logprob) < tolerance
+        # the alternatives' values, sorted: robust to two tied alternatives trading places
+        assert len(ours.top) == len(theirs.top)
+        assert max(abs(a[1] - b[1]) for a, b in zip(ours.top, theirs.top, strict=True)) < tolerance
+
+
+def test_a_cached_prefix_scores_what_the_whole_sequence_does() -> None:
+    """Completions of one prompt reuse its blocks (and another prompt the shared header), and
+    every position scores as in one uncached pass, up to fp32 rounding (2e-5 at most measured)."""
+    torch.set_num_threads(2)
+    model, tokenizer = load_reference()
+    decoder = Decoder(model)
+    sequences = _scored_sequences(tokenizer)
+    with torch.inference_mode():
+        whole = score_batch(decoder, [(ids, 5) for ids in sequences])
+        cache = ScoreCache()
+        first = score_batch(decoder, [(sequences[0], 5)], cache)[0]
+        assert cache.cached_length(sequences[0], 5) == len(sequences[0]) // PREFIX_BLOCK * PREFIX_BLOCK - 1
+        shared = [cache.cached_length(ids, 5) for ids in sequences[1:]]
+        prompt = len(sequences[-1]) - len(tokenizer("Rayleigh.", add_special_tokens=False)["input_ids"])
+        assert all(n >= prompt // PREFIX_BLOCK * PREFIX_BLOCK - 1 for n in shared[:2]), shared  # the whole prompt's blocks
+        assert 0 < shared[2] < prompt - PREFIX_BLOCK, shared  # the other prompt: the system header only
+        assert cache.cached_length(sequences[0], 2) == 0  # other alternatives, other scores
+        rest = score_batch(decoder, [(ids, 5) for ids in sequences[1:]], cache)  # one batch, from several depths
+    for cached, uncached in zip([first, *rest], whole, strict=True):
+        _assert_same_scores(cached, uncached, 1e-4)
+
+
+def test_the_score_cache_keeps_to_its_budget_and_forgets_the_least_recently_used() -> None:
+    torch.set_num_threads(2)
+    model, tokenizer = load_reference()
+    decoder = Decoder(model)
+    sequences = _scored_sequences(tokenizer)
+    position = 2 * len(decoder.layers) * decoder.kv_heads * decoder.head_dim * 4  # fp32 keys and values
+    budget = 3 * PREFIX_BLOCK * position  # three blocks: less than one sequence
+    assert len(sequences[0]) >= 5 * PREFIX_BLOCK
+    cache = ScoreCache(budget)
+    with torch.inference_mode():
+        whole = score_batch(decoder, [(sequences[0], 3)])[0]
+        score_batch(decoder, [(sequences[0], 3)], cache)
+        assert 0 < cache.nbytes <= budget
+        assert cache.cached_length(sequences[0], 3) == 0  # its first blocks went first
+        again = score_batch(decoder, [(sequences[0], 3)], cache)[0]
+    _assert_same_scores(again, whole, 1e-4)

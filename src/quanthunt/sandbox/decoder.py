@@ -180,18 +180,19 @@ class Decoder:
         gate, up = torch.split(linear(self._rms(x, layer.post_norm), layer.gate_up), self.intermediate, dim=-1)
         return x + linear(F.silu(gate) * up, layer.down)
 
-    def _causal(self, ids: torch.Tensor, cache: SlotCache | None, first_slot: int) -> torch.Tensor:
+    def _causal(self, ids: torch.Tensor, into: tuple[SlotCache, int, torch.Tensor] | None) -> torch.Tensor:
         """Hidden states after the last block for right-padded ``ids`` [rows, width] (causal
-        attention keeps the padding out of every real position); with a cache, each row's
-        keys and values are kept in slot ``first_slot + row``."""
-        rows, width = ids.shape
+        attention keeps the padding out of every real position); ``into = (cache, first_slot,
+        rows)`` keeps the keys and values of row ``rows[j]`` in the cache's slot ``first_slot + j``."""
+        width = ids.shape[1]
         x = F.embedding(ids, self.embedding)
         cos, sin = self.cos[:width], self.sin[:width]
         for i, layer in enumerate(self.layers):
             q, k, v = self._split(x, layer, cos, sin)
-            if cache is not None:
-                cache.keys[i][first_slot : first_slot + rows, :, :width] = k
-                cache.values[i][first_slot : first_slot + rows, :, :width] = v
+            if into is not None:
+                cache, first_slot, rows = into
+                cache.keys[i][first_slot : first_slot + len(rows), :, :width] = k[rows]
+                cache.values[i][first_slot : first_slot + len(rows), :, :width] = v[rows]
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = self._finish(x, attended, layer)
         return self._rms(x, self.norm)
@@ -209,11 +210,14 @@ class Decoder:
 
     def prefill(self, cache: SlotCache, first_slot: int, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Run ``prompts`` (each non-empty) into slots ``first_slot ..``; the next-token logits
-        of each, fp32 ``[rows, vocab]``. The caller has reserved the slots and the length."""
-        ids = self._padded(prompts, pad=0)
-        hidden = self._causal(ids, cache, first_slot)
-        last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)
-        return self._head(hidden[torch.arange(len(prompts)), last])
+        of each, fp32 ``[rows, vocab]``. The caller has reserved the slots and the length.
+        A prompt given several times (a probe's k completions join together) runs once and
+        its keys and values are copied to each of its slots."""
+        distinct: dict[tuple[int, ...], int] = {}
+        slot_rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], dtype=torch.long)
+        hidden = self._causal(self._padded(list(distinct), pad=0), (cache, first_slot, slot_rows))
+        last = torch.tensor([len(p) - 1 for p in distinct], dtype=torch.long)
+        return self._head(hidden[torch.arange(len(distinct)), last])[slot_rows]
 
     def decode(self, cache: SlotCache, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One step for the sequences in slots ``0 .. n-1``: ``tokens`` [n] go in at positions
@@ -239,4 +243,53 @@ class Decoder:
 
     def logits(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """Teacher-forced logits of right-padded ``sequences``: fp32 ``[rows, width, vocab]``."""
-        return self._head(self._causal(self._padded(sequences, pad=0), None, 0))
+        return self._head(self._causal(self._padded(sequences, pad=0), None))
+
+    def extend(self, past: Sequence[Past | None], suffixes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, Past]:
+        """Teacher-forced logits of each row's ``suffixes[row]`` (non-empty) after the positions
+        whose keys and values ``past[row]`` holds (``None``: none), fp32 ``[rows, width,
+        vocab]`` right-padded, and the suffixes' own keys and values (``[layers, rows,
+        kv_heads, width, head_dim]``) for a prefix cache. With no past at all this is
+        ``logits`` exactly (the same ops on the same shapes)."""
+        ids = self._padded(suffixes, pad=0)
+        rows, width = ids.shape
+        starts = torch.tensor([0 if p is None else p.length for p in past], dtype=torch.long)
+        span = int(starts.max())
+        keys = torch.zeros((len(self.layers), rows, self.kv_heads, span, self.head_dim), dtype=self.dtype)
+        values = torch.zeros_like(keys)
+        for row, held in enumerate(past):
+            if held is not None:
+                keys[:, row, :, : held.length] = held.keys
+                values[:, row, :, : held.length] = held.values
+        if span:
+            positions = starts[:, None] + torch.arange(width)[None, :]
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+            # a query sees its row's past (not the padding after it) and the suffix up to itself
+            seen_past = torch.arange(span)[None, None, :] < starts[:, None, None]
+            causal = torch.ones((width, width), dtype=torch.bool).tril()
+            visible = torch.cat((seen_past.expand(rows, width, span), causal.expand(rows, width, width)), dim=-1)[:, None]
+        else:
+            cos, sin = self.cos[:width], self.sin[:width]
+        new_keys = torch.empty((len(self.layers), rows, self.kv_heads, width, self.head_dim), dtype=self.dtype)
+        new_values = torch.empty_like(new_keys)
+        x = F.embedding(ids, self.embedding)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._split(x, layer, cos, sin)
+            new_keys[i], new_values[i] = k, v
+            if span:
+                all_k, all_v = torch.cat((keys[i], k), dim=2), torch.cat((values[i], v), dim=2)
+                attended = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=visible, enable_gqa=True)
+            else:
+                attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = self._finish(x, attended, layer)
+        return self._head(self._rms(x, self.norm)), Past(new_keys, new_values, width)
+
+
+@dataclass(frozen=True)
+class Past:
+    """Keys and values of a sequence's first ``length`` positions, ``[layers, kv_heads,
+    length, head_dim]`` (or with a rows dimension after ``layers``, as ``extend`` returns)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int

@@ -25,7 +25,7 @@ from quanthunt.errors import SandboxError
 from quanthunt.sandbox.decoder import Decoder
 from quanthunt.sandbox.engine import REFERENCE_PRECISION, Completion, OutToken, SamplingRequest, TokenInfo
 from quanthunt.sandbox.model import build_precision, load_reference
-from quanthunt.sandbox.sampler import Lane, Sample, TokenLogprob, score_batch
+from quanthunt.sandbox.sampler import Lane, Sample, ScoreCache, TokenLogprob, score_batch
 from quanthunt.sandbox.threads import ThreadTuner
 
 SCORE_BATCH_TOKENS = 2048
@@ -87,6 +87,23 @@ def _token_bounded(jobs: list[_Job], length: Callable[[_Job], int], budget: int)
     return groups
 
 
+def _looked_up(lengths: dict[int, int]) -> Callable[[_Job], int]:
+    return lambda job: lengths[id(job)]
+
+
+def _waves(jobs: list[_Job], cache: ScoreCache | None) -> list[list[_Job]]:
+    """Score jobs in two waves: sequences that agree up to their first uncached block wait
+    for one of them (the first wave's), then reuse its blocks, so the k completions of a new
+    prompt compute it once."""
+    if cache is None:
+        return [jobs]
+    leaders: dict[tuple[int, ...], _Job] = {}
+    for job in jobs:
+        leaders.setdefault(cache.first_missing(*job.payload), job)
+    led = {id(job) for job in leaders.values()}
+    return [list(leaders.values()), [job for job in jobs if id(job) not in led]]
+
+
 class _Scheduler:
     """The compute thread (see the module docstring). Its torch threads are every core this
     process may run on, or one when the machine is busy (``threads.ThreadTuner``)."""
@@ -99,6 +116,7 @@ class _Scheduler:
         self._max_batch = max_batch
         self._decoders: dict[str, Decoder] = {}
         self._lanes: dict[str, Lane] = {}
+        self._score_caches: dict[str, ScoreCache] = {}
         self._running: dict[str, set[Future[Any]]] = defaultdict(set)
         self._waiting: dict[str, deque[_Job]] = defaultdict(deque)
         self._queue: deque[_Job] = deque()
@@ -197,12 +215,20 @@ class _Scheduler:
                 too_long = f"cannot score {length} tokens: the model's context is {decoder.context_length}"
                 job.future.set_exception(SandboxError(too_long))
         live = [job for job in live if not job.future.done()]
-        for group in _token_bounded(live, lambda job: len(job.payload[0]), SCORE_BATCH_TOKENS):
-            started = time.perf_counter()
-            for job, scored in zip(group, score_batch(decoder, [job.payload for job in group]), strict=True):
-                job.future.set_result(scored)
-            tokens = sum(len(job.payload[0]) for job in group)
-            self.stats.record("score", len(group), tokens, time.perf_counter() - started)
+        # fp32 only: bf16 compute scores a cached prefix's continuation up to 0.11 nats away
+        # from one causal pass (its own rounding noise; fp32: 2e-5), and verify compares scores
+        cache = self._score_caches.setdefault(precision, ScoreCache()) if decoder.dtype == torch.float32 else None
+        # Sequences that agree up to their first uncached block wait for one of them (the
+        # leader), then reuse its blocks: k completions of one new prompt compute it once.
+        for wave in _waves(live, cache):
+            computed = {id(job): len(job.payload[0]) - (cache.cached_length(*job.payload) if cache else 0) for job in wave}
+            for group in _token_bounded(wave, _looked_up(computed), SCORE_BATCH_TOKENS):
+                started = time.perf_counter()
+                for job, scored in zip(group, score_batch(decoder, [job.payload for job in group], cache), strict=True):
+                    job.future.set_result(scored)
+                tokens = sum(computed[id(job)] for job in group)
+                self.stats.record("score", len(group), tokens, time.perf_counter() - started)
+                self.stats.record("score_cached", len(group), sum(len(job.payload[0]) for job in group) - tokens, 0.0)
 
     def _admit(self, precision: str, _: list[_Job]) -> None:
         waiting, lane = self._waiting[precision], self._lane(precision)

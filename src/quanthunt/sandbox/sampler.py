@@ -13,13 +13,15 @@ the two agree.
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from quanthunt.sandbox.decoder import Decoder
+from quanthunt.sandbox.decoder import Decoder, Past
 from quanthunt.sandbox.engine import SamplingRequest
 
 
@@ -189,14 +191,120 @@ class Lane:
         return None
 
 
-def score_batch(decoder: Decoder, jobs: Sequence[tuple[Sequence[int], int]]) -> list[list[TokenLogprob | None]]:
+PREFIX_BLOCK = 8
+"""Positions per block of ``ScoreCache``: a sequence reuses the longest run of whole blocks
+it shares with one scored before (a default-roster probe prompt is ~46 tokens, 5 blocks)."""
+SCORE_CACHE_BYTES = 512 * 2**20
+"""Most bytes of keys and values a ``ScoreCache`` holds (SmolLM2: 46 KB a position in fp32,
+so ~11,000 positions; an audit round's prompts take a few hundred)."""
+
+
+@dataclass(frozen=True)
+class _Block:
+    """``PREFIX_BLOCK`` positions of a scored sequence: their keys and values ``[layers,
+    kv_heads, PREFIX_BLOCK, head_dim]`` and their scores, all determined by the tokens up to
+    the block's end; ``number`` names it as a parent in the cache's keys."""
+
+    number: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    scored: list[TokenLogprob | None]
+
+
+class ScoreCache:
+    """Teacher-forced scores of sequence prefixes, kept so that sequences sharing a prefix
+    compute it once: verify scores every completion of a probe as prompt + completion under
+    the reference, so one prompt is scored by every provider's every completion (and all
+    prompts share the chat template's system header). A block is found by its tokens and its
+    parent block's number, so a hit is an exact match of the whole prefix, never a hash's.
+    Least recently used blocks go first once ``budget`` bytes are held.
+
+    The positions after a hit are computed with the past's keys and values as attention
+    context instead of in one causal pass, which moves their logprobs by float rounding only
+    (``tests/sandbox/test_sampler.py`` holds them to the uncached scores).
+    """
+
+    def __init__(self, budget: int = SCORE_CACHE_BYTES) -> None:
+        self._blocks: OrderedDict[tuple[int, int, tuple[int, ...]], _Block] = OrderedDict()
+        self._budget = budget
+        self._bytes = 0
+        self._numbers = itertools.count()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def _key(self, top: int, parent: _Block | None, ids: Sequence[int], block: int) -> tuple[int, int, tuple[int, ...]]:
+        return (top, -1 if parent is None else parent.number, tuple(ids[block * PREFIX_BLOCK : (block + 1) * PREFIX_BLOCK]))
+
+    def lookup(self, ids: Sequence[int], top: int) -> list[_Block]:
+        """The longest run of cached blocks that starts ``ids`` (scored with ``top`` alternatives)."""
+        held: list[_Block] = []
+        for block in range(len(ids) // PREFIX_BLOCK):
+            key = self._key(top, held[-1] if held else None, ids, block)
+            found = self._blocks.get(key)
+            if found is None:
+                break
+            self._blocks.move_to_end(key)
+            held.append(found)
+        return held
+
+    def cached_length(self, ids: Sequence[int], top: int) -> int:
+        """Positions of ``ids`` that ``score_batch`` will not compute (0 without a hit)."""
+        held = len(self.lookup(ids, top))
+        return held * PREFIX_BLOCK - 1 if held else 0
+
+    def first_missing(self, ids: Sequence[int], top: int) -> tuple[int, ...]:
+        """The prefix up to the end of the first block of ``ids`` not cached (all of ``ids``
+        when every whole block is): sequences that agree on it can share what one computes."""
+        end = (len(self.lookup(ids, top)) + 1) * PREFIX_BLOCK
+        return (top, *ids[:end])
+
+    def store(self, ids: Sequence[int], top: int, held: list[_Block], past: Past, scored: list[TokenLogprob | None]) -> None:
+        """Cache the whole blocks of ``ids`` after ``held``; ``past`` holds the keys and values
+        of positions ``past_start .. len(ids) - 1`` (``past_start = len(ids) - past.length``)."""
+        first = len(ids) - past.length
+        parent = held[-1] if held else None
+        for block in range(len(held), len(ids) // PREFIX_BLOCK):
+            key = self._key(top, parent, ids, block)
+            if (known := self._blocks.get(key)) is not None:
+                parent = known
+                continue
+            start, end = block * PREFIX_BLOCK - first, (block + 1) * PREFIX_BLOCK - first
+            keys, values = past.keys[:, :, start:end].clone(), past.values[:, :, start:end].clone()
+            parent = _Block(next(self._numbers), keys, values, scored[block * PREFIX_BLOCK : (block + 1) * PREFIX_BLOCK])
+            self._blocks[key] = parent
+            self._bytes += keys.nbytes + values.nbytes
+        while self._bytes > self._budget and self._blocks:
+            _, evicted = self._blocks.popitem(last=False)
+            self._bytes -= evicted.keys.nbytes + evicted.values.nbytes
+
+
+def _context(held: list[_Block]) -> Past | None:
+    """What ``held`` gives a sequence: the keys and values of every position but the last
+    (whose logits score the next token, so it is computed again)."""
+    if not held:
+        return None
+    length = len(held) * PREFIX_BLOCK - 1
+    keys = torch.cat([block.keys for block in held], dim=2)[:, :, :length]
+    values = torch.cat([block.values for block in held], dim=2)[:, :, :length]
+    return Past(keys, values, length)
+
+
+def score_batch(
+    decoder: Decoder, jobs: Sequence[tuple[Sequence[int], int]], cache: ScoreCache | None = None
+) -> list[list[TokenLogprob | None]]:
     """Teacher-forced logprob of every token of each sequence given the ones before it, with
-    its ``top`` alternatives, all sequences in one right-padded forward pass. The first token
-    has no context and scores ``None`` (as vLLM's ``echo`` does)."""
+    its ``top`` alternatives, all sequences in one right-padded forward pass (each from where
+    ``cache`` leaves off, when given). The first token has no context and scores ``None`` (as
+    vLLM's ``echo`` does)."""
     filled = [(ids, top) for ids, top in jobs if ids]
     if not filled:
         return [[] for _ in jobs]
-    logits = decoder.logits([ids for ids, _ in filled])
+    held = [cache.lookup(ids, top) if cache is not None else [] for ids, top in filled]
+    past = [_context(blocks) for blocks in held]
+    starts = [0 if p is None else p.length for p in past]
+    logits, computed = decoder.extend(past, [ids[start:] for (ids, _), start in zip(filled, starts, strict=True)])
     scored_rows = iter(range(len(filled)))
     results: list[list[TokenLogprob | None]] = []
     for ids, top in jobs:
@@ -204,14 +312,19 @@ def score_batch(decoder: Decoder, jobs: Sequence[tuple[Sequence[int], int]]) -> 
             results.append([])
             continue
         row = next(scored_rows)
-        logp = torch.log_softmax(logits[row, : len(ids) - 1], dim=-1)
-        targets = torch.tensor(list(ids[1:]), dtype=torch.long)
+        start, blocks = starts[row], held[row]
+        logp = torch.log_softmax(logits[row, : len(ids) - start - 1], dim=-1)
+        targets = torch.tensor(list(ids[start + 1 :]), dtype=torch.long)
         picked = logp.gather(1, targets[:, None])[:, 0].tolist()
         values, indices = torch.topk(logp, top) if top > 0 else (logp[:, :0], logp[:, :0].long())
         top_values, top_ids = values.tolist(), indices.tolist()
-        scored: list[TokenLogprob | None] = [None]
-        for i, (token, logprob) in enumerate(zip(ids[1:], picked, strict=True)):
+        scored: list[TokenLogprob | None] = [s for block in blocks for s in block.scored] if blocks else [None]
+        for i, (token, logprob) in enumerate(zip(ids[start + 1 :], picked, strict=True)):
             scored.append(TokenLogprob(int(token), logprob, _top(top_values[i], top_ids[i], top)))
+        if cache is not None:
+            width = len(ids) - start
+            own = Past(computed.keys[:, row, :, :width], computed.values[:, row, :, :width], width)
+            cache.store(ids, top, blocks, own, scored)
         results.append(scored)
     return results
 
