@@ -43,7 +43,7 @@ def test_teacher_forced_logits_equal_transformers(reference: tuple[nn.Module, li
     with torch.inference_mode():
         served = build_precision(model, precision)
         decoder = Decoder(served)
-        batch = decoder.logits(prompts)  # right-padded together
+        batch, _ = decoder.extend([None] * len(prompts), prompts)  # right-padded together, no past
         for row, ids in enumerate(prompts):
             theirs = torch.log_softmax(served(input_ids=torch.tensor([ids])).logits.float()[0], dim=-1)
             ours = torch.log_softmax(batch[row, : len(ids)], dim=-1)

@@ -111,7 +111,8 @@ class Decoder:
 
     Usage: ``decoder = Decoder(model); cache = decoder.new_cache()``, then
     ``decoder.prefill(cache, first_slot, prompts)`` and ``decoder.decode(cache, tokens,
-    lengths)`` for sampling, ``decoder.logits(sequences)`` for teacher-forced scoring.
+    lengths)`` for sampling, ``decoder.extend(past, suffixes)`` for teacher-forced scoring
+    (``past`` from a prefix cache, or ``None`` per row for a whole sequence).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -180,19 +181,17 @@ class Decoder:
         gate, up = torch.split(linear(self._rms(x, layer.post_norm), layer.gate_up), self.intermediate, dim=-1)
         return x + linear(F.silu(gate) * up, layer.down)
 
-    def _causal(self, ids: torch.Tensor, into: tuple[SlotCache, int, torch.Tensor] | None) -> torch.Tensor:
+    def _causal(self, ids: torch.Tensor, cache: SlotCache, first_slot: int, rows: torch.Tensor) -> torch.Tensor:
         """Hidden states after the last block for right-padded ``ids`` [rows, width] (causal
-        attention keeps the padding out of every real position); ``into = (cache, first_slot,
-        rows)`` keeps the keys and values of row ``rows[j]`` in the cache's slot ``first_slot + j``."""
+        attention keeps the padding out of every real position); the keys and values of row
+        ``rows[j]`` go into the cache's slot ``first_slot + j``."""
         width = ids.shape[1]
         x = F.embedding(ids, self.embedding)
         cos, sin = self.cos[:width], self.sin[:width]
         for i, layer in enumerate(self.layers):
             q, k, v = self._split(x, layer, cos, sin)
-            if into is not None:
-                cache, first_slot, rows = into
-                cache.keys[i][first_slot : first_slot + len(rows), :, :width] = k[rows]
-                cache.values[i][first_slot : first_slot + len(rows), :, :width] = v[rows]
+            cache.keys[i][first_slot : first_slot + len(rows), :, :width] = k[rows]
+            cache.values[i][first_slot : first_slot + len(rows), :, :width] = v[rows]
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = self._finish(x, attended, layer)
         return self._rms(x, self.norm)
@@ -215,7 +214,7 @@ class Decoder:
         its keys and values are copied to each of its slots."""
         distinct: dict[tuple[int, ...], int] = {}
         slot_rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], dtype=torch.long)
-        hidden = self._causal(self._padded(list(distinct), pad=0), (cache, first_slot, slot_rows))
+        hidden = self._causal(self._padded(list(distinct), pad=0), cache, first_slot, slot_rows)
         last = torch.tensor([len(p) - 1 for p in distinct], dtype=torch.long)
         return self._head(hidden[torch.arange(len(distinct)), last])[slot_rows]
 
@@ -241,16 +240,12 @@ class Decoder:
             x = self._finish(x, attended.reshape(rows, self.heads, 1, self.head_dim), layer)
         return self._head(self._rms(x, self.norm)[:, 0])
 
-    def logits(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Teacher-forced logits of right-padded ``sequences``: fp32 ``[rows, width, vocab]``."""
-        return self._head(self._causal(self._padded(sequences, pad=0), None))
-
     def extend(self, past: Sequence[Past | None], suffixes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, Past]:
         """Teacher-forced logits of each row's ``suffixes[row]`` (non-empty) after the positions
         whose keys and values ``past[row]`` holds (``None``: none), fp32 ``[rows, width,
         vocab]`` right-padded, and the suffixes' own keys and values (``[layers, rows,
-        kv_heads, width, head_dim]``) for a prefix cache. With no past at all this is
-        ``logits`` exactly (the same ops on the same shapes)."""
+        kv_heads, width, head_dim]``) for a prefix cache. With no past at all this is one
+        causal pass, as ``prefill`` runs."""
         ids = self._padded(suffixes, pad=0)
         rows, width = ids.shape
         starts = torch.tensor([0 if p is None else p.length for p in past], dtype=torch.long)

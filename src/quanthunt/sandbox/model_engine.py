@@ -218,8 +218,6 @@ class _Scheduler:
         # fp32 only: bf16 compute scores a cached prefix's continuation up to 0.11 nats away
         # from one causal pass (its own rounding noise; fp32: 2e-5), and verify compares scores
         cache = self._score_caches.setdefault(precision, ScoreCache()) if decoder.dtype == torch.float32 else None
-        # Sequences that agree up to their first uncached block wait for one of them (the
-        # leader), then reuse its blocks: k completions of one new prompt compute it once.
         for wave in _waves(live, cache):
             computed = {id(job): len(job.payload[0]) - (cache.cached_length(*job.payload) if cache else 0) for job in wave}
             for group in _token_bounded(wave, _looked_up(computed), SCORE_BATCH_TOKENS):
