@@ -97,6 +97,13 @@ def test_e_process_power_grows_with_the_effect() -> None:
     assert crossed_far is not None and crossed_far < first
 
 
+def test_stopped_wealth_is_the_first_reaching_a_level_else_the_last() -> None:
+    process = betting_e_process([1.0, 1.0, 1.0, 0.0, 0.0], null_mean=0.5, alternative="greater", fractions=(0.5,))
+    np.testing.assert_allclose(process.wealth, [1.5, 2.25, 3.375, 1.6875, 0.84375])
+    assert process.stopped(2.0) == 2.25  # stops betting at the first K_t ≥ 2
+    assert process.stopped(10.0) == process.final == 0.84375  # never reached: the last
+
+
 def test_confidence_sequence_covers_the_mean_at_every_time() -> None:
     rng = np.random.default_rng(5)
     runs, misses = 300, 0
@@ -108,6 +115,23 @@ def test_confidence_sequence_covers_the_mean_at_every_time() -> None:
     assert misses / runs <= ALPHA
     low, high = confidence_sequence(rng.beta(2, 5, 2000), alpha=ALPHA, grid=400)
     assert high[-1] - low[-1] < 0.06  # and it does shrink around the mean
+
+
+def test_confidence_sequence_holds_every_mean_no_test_has_rejected() -> None:
+    """Off the grid too: a mean between the last kept grid point and the first rejected one
+    may be unrejected, so the bounds reach the first rejected points (a coarse grid here)."""
+    rng = np.random.default_rng(11)
+    x = rng.beta(2, 5, 300)
+    low, high = confidence_sequence(x, alpha=ALPHA, grid=40)
+    outside = 0
+    for m in np.linspace(0.001, 0.999, 999):
+        for side, bound in (("less", high), ("greater", low)):
+            wealth = betting_e_process(x, null_mean=float(m), alternative=side).wealth
+            kept = np.maximum.accumulate(wealth) < 2 / ALPHA
+            beyond = m > bound if side == "less" else m < bound
+            outside += int((kept & beyond).sum())
+    assert outside == 0
+    assert high[-1] - low[-1] < 0.2  # the bounds still shrink
 
 
 def e_bh(e_values: list[float]) -> list[bool]:

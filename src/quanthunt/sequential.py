@@ -79,6 +79,14 @@ class EProcess:
         """``K_n``: an e-value at any stopping time (what e-BH needs)."""
         return float(self.wealth[-1]) if self.wealth.size else 1.0
 
+    def stopped(self, level: float) -> float:
+        """``K`` at the first t with ``K_t ≥ level``, else ``K_n``: the wealth of a test that
+        stops betting once it reaches ``level``, an e-value at any stopping time as ``final``
+        is, and at least ``level`` whenever the process ever reached it (what lets e-BH reject
+        everything the anytime test at ``level`` rejects)."""
+        hits = np.flatnonzero(self.wealth >= level)
+        return float(self.wealth[hits[0]]) if hits.size else self.final
+
     @property
     def peak(self) -> float:
         """``max(1, max_t K_t)``."""
@@ -139,9 +147,12 @@ def betting_e_process(
     ``1 + λ (x − m0)`` per observation (never below ``1 − f``); ``"less"``: H0 mean ≥ m0, with
     ``λ = f / (1 − m0)`` and factor ``1 + λ (m0 − x)``. The wealth is the average over the
     ``fractions`` of these constant-bet capital processes: each is a nonnegative supermartingale
-    under H0 (its factors have conditional mean ≤ 1 whenever the mean is on H0's side), so the
-    average is too, whatever the order or dependence of the data. Observations are only assumed
-    bounded; nothing about their distribution (Waudby-Smith & Ramdas, "Estimating means of bounded
+    under H0, and so is the average. What H0 must say for that: each observation's mean *given
+    the ones before it* is on H0's side (then every factor has conditional mean ≤ 1). Order and
+    dependence are free within that; data whose conditional means drift across m0 (a provider
+    faithful on some prompts, off on others, in a data-dependent order) are not covered by it.
+    Observations are only assumed bounded; nothing about their distribution (Waudby-Smith &
+    Ramdas, "Estimating means of bounded
     random variables by betting", JRSS-B 2024). The wealth is capped at :data:`WEALTH_CAP`.
 
     Usage: ``betting_e_process(flags, null_mean=0.001, alternative="greater").pvalue``
@@ -174,7 +185,8 @@ def confidence_sequence(
     It is the set of means no betting test has rejected so far (``"less"`` tests at level α/2
     bound it from above, ``"greater"`` ones from below), on a grid of ``grid`` means, and
     intersected over time, so it only shrinks. Rejection is monotone in the tested mean for
-    these bets, so each bound is the first grid point rejected.
+    these bets, so each bound is the first grid point rejected: a mean between the last kept
+    point and it may not be rejected either, so the bound never stops short of that point.
 
     Usage: ``low, high = confidence_sequence(u, alpha=0.05); high[-1]``
     """
@@ -189,10 +201,12 @@ def confidence_sequence(
         kept = ~rejected  # once rejected, always
         if side == "less":
             highest_kept = np.where(kept.any(axis=0), grid - 1 - np.argmax(kept[::-1], axis=0), -1)
-            bounds[side] = np.where(highest_kept >= 0, np.minimum((highest_kept + 1) / grid, 1.0), 0.0)
+            first_rejected = means[np.minimum(highest_kept + 1, grid - 1)]
+            bounds[side] = np.where(highest_kept >= 0, np.where(highest_kept < grid - 1, first_rejected, 1.0), 0.0)
         else:
             lowest_kept = np.where(kept.any(axis=0), np.argmax(kept, axis=0), grid)
-            bounds[side] = np.where(lowest_kept < grid, lowest_kept / grid, 1.0)
+            first_rejected = means[np.maximum(lowest_kept - 1, 0)]
+            bounds[side] = np.where(lowest_kept < grid, np.where(lowest_kept > 0, first_rejected, 0.0), 1.0)
     return np.asarray(bounds["greater"], dtype=np.float64), np.asarray(bounds["less"], dtype=np.float64)
 
 
