@@ -106,6 +106,20 @@ def test_looking_after_every_round_keeps_the_false_different_rate_below_alpha() 
     assert wrong / 200 <= POLICY.alpha
 
 
+@pytest.mark.parametrize("correction", ["holm", "bh"])
+def test_a_crossing_mid_audit_stays_caught_under_either_correction(correction: str) -> None:
+    """Off for its first 3 completions (extreme deltas), faithful for the next 300: the
+    combined wealth crossed the family's threshold early and has fallen far below it by the
+    end. The power programme counts that crossing as caught, so both corrections must too
+    (e-BH on the round's end wealth had called it ``equivalent``)."""
+    audit = logprob_audit("Early", n=303, scale=1e-4)
+    for completion in audit.logprob[:3]:
+        completion.deltas[:] = [0.8] * len(completion.deltas)
+    (state,) = judge([subject(audit)], [audit], MARGIN, changed(POLICY, correction=correction), family=8)
+    assert state.tests.combined.peak >= 8 / POLICY.alpha > state.tests.combined.final
+    assert state.verdict == "different", state.reason
+
+
 def test_failures_and_misrouting_are_inconclusive_at_once() -> None:
     failing = logprob_audit("Flaky", n=12, scale=1e-6)
     failing.attempted, failing.failed = 20, 8

@@ -232,9 +232,14 @@ class State:
     results: list[TestResult] = field(default_factory=list)
 
 
-def _p(process: sequential.EProcess, correction: str) -> float:
-    """The p-value a correction uses: anytime-valid (Holm) or the wealth at stopping (e-BH)."""
-    return process.pvalue if correction == "holm" else min(1.0, 1.0 / max(process.final, 1e-300))
+def _p(process: sequential.EProcess, correction: str, level: float) -> float:
+    """The p-value a correction uses: anytime-valid (Holm), or for e-BH one over the wealth
+    stopped at its first reaching ``level`` (the family's ``m / α``). The wealth at a round's
+    end alone could fall back below a crossing that happened mid-audit (a provider off for
+    its first completions, then faithful), which the power programme counts as caught."""
+    if correction == "holm":
+        return process.pvalue
+    return min(1.0, 1.0 / max(process.stopped(level), 1e-300))
 
 
 def judge(
@@ -254,15 +259,16 @@ def judge(
         tests = sequential_tests(obs, margin)
         states.append(State("inconclusive" if blocked else None, blocked or "", tests))
     padding = [1.0] * (m - len(states))  # the family's other providers, never rejected
-    diff_adj = stats.adjust([_p(s.tests.combined, method) for s in states] + padding, method)[: len(states)]
-    equiv_p = [max(_p(e, method) for e in s.tests.equivalence.values()) for s in states]
+    level = m / policy.alpha  # e-BH's smallest rejection, Holm's first step
+    diff_adj = stats.adjust([_p(s.tests.combined, method, level) for s in states] + padding, method)[: len(states)]
+    equiv_p = [max(_p(e, method, level) for e in s.tests.equivalence.values()) for s in states]
     equiv_adj = stats.adjust(equiv_p + padding, method)[: len(states)]
     for state, audit, d_adj, e_adj in zip(states, audits, diff_adj, equiv_adj, strict=True):
         tests = state.tests
         n = tests.combined.n
         curve = mixture_power(audit.mode, n, providers=m, margin=margin, policy=policy)
         state.power = curve[-1] if curve else 0.0
-        state.results = _results(tests, method, d_adj, e_adj)
+        state.results = _results(tests, method, level, d_adj, e_adj)
         if state.verdict is not None:
             continue
         if d_adj < policy.alpha:
@@ -335,18 +341,19 @@ def _undecided(state: State, n: int, policy: Decision, e_adj: float) -> str:
     return why + more
 
 
-def _results(tests: Tests, method: str, d_adj: float, e_adj: float) -> list[TestResult]:
+def _results(tests: Tests, method: str, level: float, d_adj: float, e_adj: float) -> list[TestResult]:
     combined = tests.combined
     results = [
         TestResult(name="all difference tests (average e-process)", kind="difference", statistic=_finite(combined.peak),
-                   p_value=_p(combined, method), p_adjusted=d_adj, null="the provider serves the reference's distribution"),
+                   p_value=_p(combined, method, level), p_adjusted=d_adj,
+                   null="the provider serves the reference's distribution"),
     ]  # fmt: skip
     for name, process in tests.difference.items():
         results.append(TestResult(name=name, kind="difference", statistic=_finite(process.peak),
-                                  p_value=_p(process, method), p_adjusted=None, null=tests.null[name]))  # fmt: skip
+                                  p_value=_p(process, method, level), p_adjusted=None, null=tests.null[name]))  # fmt: skip
     for name, process in tests.equivalence.items():
         results.append(TestResult(name=name, kind="equivalence", statistic=_finite(process.peak),
-                                  p_value=_p(process, method), p_adjusted=e_adj, null=tests.null[name]))  # fmt: skip
+                                  p_value=_p(process, method, level), p_adjusted=e_adj, null=tests.null[name]))  # fmt: skip
     return results
 
 
