@@ -279,3 +279,21 @@ def test_restore_from_a_state_with_nothing_applied_keeps_the_audit() -> None:
     assert (resumed.served, resumed.fed, resumed.path) == (5, 5, [])
     assert np.array_equal(resumed.components[0], started.components[0])
     assert resumed.e_value == started.e_value
+
+
+@pytest.mark.parametrize(
+    ("saved_alpha", "now_alpha", "kept_alpha"), [(0.05 / 24, 0.05 / 8, 0.05 / 24), (0.05 / 8, 0.05 / 24, 0.05 / 24)]
+)
+def test_restore_keeps_the_stricter_threshold_when_the_split_changed(
+    saved_alpha: float, now_alpha: float, kept_alpha: float
+) -> None:
+    """Fewer providers or datasets than when the monitor started would give it a larger
+    share of alpha: the saved, stricter threshold stands; more of them tighten it."""
+    rng = np.random.default_rng(14)
+    audited = [below_margin(rng) for _ in range(24)]
+    earlier = monitor(alpha=saved_alpha, audited=audited)
+    assert feed_all(earlier, [below_margin(rng) for _ in range(10)]) is None
+    resumed = monitor(alpha=now_alpha, audited=audited)
+    resumed.restore(json.loads(json.dumps(earlier.state())))
+    assert resumed.threshold == pytest.approx(1 / kept_alpha)
+    assert resumed.state()["threshold"] == pytest.approx(1 / kept_alpha)

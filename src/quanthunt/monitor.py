@@ -238,7 +238,14 @@ class ProviderMonitor:
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from ``state``. Replies that were monitored but not yet scored when the
         earlier run ended are lost: their indices count as unscored (the order stays).
-        A state with only ``served`` (nothing applied yet) keeps the start's components."""
+        A state with only ``served`` (nothing applied yet) keeps the start's components.
+
+        The threshold is the stricter of the saved one and this run's: when datasets or
+        providers changed since, the error budget's even split gives another share, and a
+        stream may raise its threshold at any time (Ville's bound at the lower α still holds)
+        but never lower it after seeing data."""
+        if "threshold" in state:
+            self.threshold = max(self.threshold, float(state["threshold"]))
         self.served = int(state["served"])
         self.fed = self.served
         if "components" in state:  # else no observation was applied yet: the start's components stand
