@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from quanthunt.errors import QuanthuntError
 from quanthunt.gateway import GatewayError
 from quanthunt.reference import Reference, ReferenceUnusable
 from quanthunt.validation import Fidelity, prompt_fidelity, requests_of
@@ -138,10 +139,17 @@ async def count_prompts(
         async with limit:
             counts[key] = len(await reference.tokenize_chat(messages, template_kwargs=template_kwargs))
 
-    async with asyncio.TaskGroup() as group:
-        for record in records:
-            for k, messages in enumerate(requests_of(record["conversations"])):
-                group.create_task(render((str(record["id"]), k), messages))
+    try:
+        async with asyncio.TaskGroup() as group:
+            for record in records:
+                for k, messages in enumerate(requests_of(record["conversations"])):
+                    group.create_task(render((str(record["id"]), k), messages))
+    except ExceptionGroup as failed:
+        # A reference that cannot be reached fails every render the same way: say it once, as
+        # verify and generate do, instead of a traceback of the whole group.
+        if all(isinstance(exc, QuanthuntError) for exc in failed.exceptions):
+            raise failed.exceptions[0] from None
+        raise
     return counts
 
 

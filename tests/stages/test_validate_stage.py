@@ -119,3 +119,13 @@ def test_survey_and_validate_metrics_stay_narrow(validated: GenerationBed) -> No
     card = json.loads((project.root / "data/final/tiny.card.json").read_text())  # the detail moved here
     assert sum(card["checks"]["finish_reasons"].values()) == card["turns_generated"] and card["records_generated"] == 12
     assert sum(p["records_served"] for p in card["providers"]) >= 12
+
+
+def test_the_reference_down_is_one_line_and_the_final_file_stays(validated: GenerationBed) -> None:
+    before = final_of(validated).read_bytes()
+    validated.project.set_param("reference.base_url", "http://127.0.0.1:9/v1")
+    done = validated.project.run("validate", "tiny", "--params", "params.yaml")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "error: cannot reach the reference deployment at 127.0.0.1:9"
+    assert "Traceback" not in done.stderr and "ExceptionGroup" not in done.stderr
+    assert final_of(validated).read_bytes() == before
