@@ -24,9 +24,8 @@ from fixtures.verdicts import eligible, provider_verdict, verdicts_of
 from rich.console import Console
 
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OUT_OF_BUDGET, ConfigError
-from quanthunt.gateway import ApiKey, Gateway, GatewayError, Routing
+from quanthunt.gateway import ApiKey, Gateway, GatewayError, Routing, check_gateway
 from quanthunt.generate_run import (
-    check_gateway,
     detail,
     done_line,
     eligible_providers,

@@ -19,7 +19,7 @@ from quanthunt import decision, figures
 from quanthunt.connection import Targets
 from quanthunt.decision import Subject
 from quanthunt.errors import ConfigError
-from quanthunt.gateway import Gateway, resolve_api_key
+from quanthunt.gateway import Gateway, check_gateway, resolve_api_key
 from quanthunt.measurements import Audit, accounted, summary_values
 from quanthunt.params import Margins, Params, section_digest
 from quanthunt.probes import Design, Probe, select_probes
@@ -71,6 +71,7 @@ async def audit_all(
         Reference(targets.reference_url, model=params.reference.model) as reference,
     ):
         reference_model = (await reference.check()).model
+        await check_gateway(gateway, targets.api_url)
 
         def on_cut(tag: str, before: int, after: int) -> None:
             console.print(

@@ -496,3 +496,14 @@ class Gateway:
             return KeyStatus.model_validate(body["data"])
         except (KeyError, TypeError, ValidationError):
             raise GatewayError(f"{self.host} GET /key: unexpected reply", kind="unexpected_reply") from None
+
+
+async def check_gateway(gateway: Gateway, url: str) -> None:
+    """One cheap read before any money moves (verify's probes, generate's records): an
+    unreachable gateway is a fast, clear exit 2 that leaves every earlier output as it was."""
+    try:
+        await gateway.key()
+    except GatewayError as error:
+        if error.kind in ("connect", "timeout"):
+            raise ConfigError(f"api.base_url: cannot reach the gateway at {url} ({error})") from None
+        raise

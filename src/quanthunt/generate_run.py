@@ -22,7 +22,7 @@ from quanthunt.aiohttp_chat import AiohttpChat
 from quanthunt.connection import Targets
 from quanthunt.coordinator import coordinate
 from quanthunt.errors import EXIT_INTERRUPTED, EXIT_OUT_OF_BUDGET, ConfigError
-from quanthunt.gateway import Gateway, GatewayError, Routing, resolve_api_key
+from quanthunt.gateway import Gateway, Routing, check_gateway, resolve_api_key
 from quanthunt.generation import Engine, StopRun
 from quanthunt.interrupts import StopSignals
 from quanthunt.jobs import Eligible, Job, Progress, dataset_params_hash
@@ -214,16 +214,6 @@ async def run(
     counts = ledger.state_counts(dataset)
     ledger.close()
     return job, engine, signals, counts
-
-
-async def check_gateway(gateway: Gateway, url: str) -> None:
-    """One cheap read before any money moves: an unreachable gateway is a fast, clear exit 2."""
-    try:
-        await gateway.key()
-    except GatewayError as error:
-        if error.kind in ("connect", "timeout"):
-            raise ConfigError(f"api.base_url: cannot reach the gateway at {url} ({error})") from None
-        raise
 
 
 async def show_progress(engine: Engine, job: Job, console: Console, interval_s: float) -> None:

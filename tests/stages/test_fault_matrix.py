@@ -104,6 +104,22 @@ def test_verify_with_the_reference_down(project: Project, latency_sandbox: Calla
     assert not (project.root / "reports/verify/verdicts.json").exists()
 
 
+def test_verify_with_the_gateway_down_keeps_the_paid_verdicts(
+    project: Project, latency_sandbox: Callable[..., SandboxProcess]
+) -> None:
+    sandbox = latency_sandbox(roster())
+    verify_project(project, sandbox)
+    earlier = project.root / "reports/verify/verdicts.json"
+    earlier.parent.mkdir(parents=True, exist_ok=True)
+    earlier.write_text('{"an earlier, paid audit": true}\n')
+    project.set_param("api.base_url", "http://127.0.0.1:9/api/v1")
+    done = project.run("verify", "--params", "params.yaml")
+    assert done.returncode == 2, done.stderr
+    assert last_line(done).startswith("error: api.base_url: cannot reach the gateway at http://127.0.0.1:9/api/v1")
+    assert "Traceback" not in done.stderr
+    assert earlier.read_text() == '{"an earlier, paid audit": true}\n'
+
+
 @pytest.mark.parametrize("kind", FAULT_KINDS)
 def test_generate_under_provider_faults(generation_bed: Callable[..., GenerationBed], kind: str) -> None:
     # A held reply is waited for request_timeout_s (2 s) plus max_tokens (48) at 10 tokens/s: hold it longer.
