@@ -284,8 +284,9 @@ def judge(
             state.verdict, state.reason = (
                 "equivalent",
                 (
-                    f"within every margin after {n} completions (p_adj={e_adj:.2g}); a {policy.mixture_share:.0%} "
-                    f"mixture would have been caught with probability {state.power:.3f}"
+                    f"{_shown_within(audit.mode, margin)} after {n} completions (p_adj={e_adj:.2g}); extreme "
+                    f"shares not shown above their margins; a {policy.mixture_share:.0%} mixture would have been "
+                    f"caught with probability {state.power:.3f}"
                 ),
             )
         else:
@@ -294,6 +295,16 @@ def judge(
             state.needed = _still_needed(tests, n, threshold, needed, e_adj < policy.alpha)
             state.reason = _undecided(state, n, policy, e_adj)
     return states
+
+
+def _shown_within(mode: str, margin: Margins) -> str:
+    """What the equivalence tests showed: only the means. The extreme shares are tested for
+    difference only (not rejected is not shown within: a faithful-looking provider may sit
+    above a tail margin by less than the audit could tell)."""
+    sampler = f"mean Φ(rank z) within ½ ± {margin.sampler_equivalence:g}"
+    if mode == "logprob":
+        return f"mean |Δ logprob| below {margin.mean_abs_dlogprob:g} and {sampler}"
+    return sampler
 
 
 def _blocked(subject: Subject, audit: Audit, policy: Decision) -> str | None:
