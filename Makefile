@@ -83,9 +83,7 @@ typecheck: install
 # tests/fixtures/sandbox.py says why). Work stealing, because the tests' lengths differ by
 # 1000x: under --dist load the tests' durations summed to 1,646 s of two workers' 2 x 1,379 s
 # (a worker's queue of long stage tests ran while the other had none left): 22 min 59 s,
-# against 14 min 18 s stealing, same machine, same evening. The longest modules go first
-# (tests/fixtures/ordering.py, from measured seconds), so the last test to start is a short
-# one. TEST_WORKERS=0 runs serially.
+# against 14 min 18 s stealing, same machine, same evening. TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 unit: install
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal -m "not engines" --durations=15

@@ -7,5 +7,4 @@ pytest_plugins = [
     "fixtures.generation",
     "fixtures.bad_inputs",
     "fixtures.postgres",
-    "fixtures.ordering",
 ]
