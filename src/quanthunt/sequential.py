@@ -152,8 +152,8 @@ def betting_e_process(
     dependence are free within that; data whose conditional means drift across m0 (a provider
     faithful on some prompts, off on others, in a data-dependent order) are not covered by it.
     Observations are only assumed bounded; nothing about their distribution (Waudby-Smith &
-    Ramdas, "Estimating means of bounded
-    random variables by betting", JRSS-B 2024). The wealth is capped at :data:`WEALTH_CAP`.
+    Ramdas, "Estimating means of bounded random variables by betting", JRSS-B 2024). The
+    wealth is capped at :data:`WEALTH_CAP`.
 
     Usage: ``betting_e_process(flags, null_mean=0.001, alternative="greater").pvalue``
     """
@@ -201,12 +201,11 @@ def confidence_sequence(
         kept = ~rejected  # once rejected, always
         if side == "less":
             highest_kept = np.where(kept.any(axis=0), grid - 1 - np.argmax(kept[::-1], axis=0), -1)
-            first_rejected = means[np.minimum(highest_kept + 1, grid - 1)]
-            bounds[side] = np.where(highest_kept >= 0, np.where(highest_kept < grid - 1, first_rejected, 1.0), 0.0)
+            # the first rejected point above is means[highest_kept + 1] = (highest_kept + 1.5) / grid
+            bounds[side] = np.where(highest_kept >= 0, np.minimum((highest_kept + 1.5) / grid, 1.0), 0.0)
         else:
             lowest_kept = np.where(kept.any(axis=0), np.argmax(kept, axis=0), grid)
-            first_rejected = means[np.maximum(lowest_kept - 1, 0)]
-            bounds[side] = np.where(lowest_kept < grid, np.where(lowest_kept > 0, first_rejected, 0.0), 1.0)
+            bounds[side] = np.where(lowest_kept < grid, np.maximum((lowest_kept - 0.5) / grid, 0.0), 1.0)
     return np.asarray(bounds["greater"], dtype=np.float64), np.asarray(bounds["less"], dtype=np.float64)
 
 
