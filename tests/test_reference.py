@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import httpx
@@ -12,7 +13,7 @@ from fixtures.contracts import recorded, replay
 from fixtures.sandbox import provider, roster_dict
 from starlette.testclient import TestClient
 
-from quanthunt.reference import PARTIAL, Capabilities, Reference, ReferenceUnusable, Scored
+from quanthunt.reference import PARTIAL, Capabilities, Reference, ReferenceDown, ReferenceUnusable, Scored
 
 VLLM = recorded("vllm")
 
@@ -68,6 +69,67 @@ def test_partial_utf8_pieces_are_named_as_vllm_names_them() -> None:
     assert PARTIAL in names  # the text's CJK characters span several tokens
     for p in scored.positions[1:]:
         assert p is not None and p.names is not None and set(p.names) == set(p.top)
+
+
+def flaky_vllm(failures: list[int | type[httpx.TransportError]]) -> tuple[httpx.MockTransport, list[str]]:
+    """The recorded vLLM, but its scoring requests after the first fail with ``failures``
+    (a status, or a transport error) in turn; the paths asked, in order."""
+    recorded_vllm = replay("vllm")
+    asked: list[str] = []
+    scoring = 0
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        nonlocal scoring
+        asked.append(request.url.path)
+        if request.url.path == "/v1/completions":
+            scoring += 1
+            if 2 <= scoring < 2 + len(failures):
+                failure = failures[scoring - 2]
+                if isinstance(failure, int):
+                    return httpx.Response(failure, json={"error": {"message": "busy", "code": failure}})
+                raise failure("stalled", request=request)
+        return recorded_vllm.handle_request(request)
+
+    return httpx.MockTransport(answer), asked
+
+
+def test_after_check_a_stalled_reference_is_retried_and_each_failure_counted() -> None:
+    transport, asked = flaky_vllm([503, httpx.ReadTimeout, httpx.ConnectError, 502])
+
+    async def go() -> tuple[Scored, Reference]:
+        async with Reference("http://127.0.0.1:8011/v1", transport=transport, retry_for_s=30) as ref:
+            await ref.check()
+            return await ref.score(VLLM["score-ids-max0"]["request"]["body"]["prompt"], top_logprobs=5), ref
+
+    scored, ref = asyncio.run(go())
+    assert scored.positions and asked.count("/v1/completions") == 1 + 5
+    assert ref.retried == {"http_503": 1, "timeout": 1, "connect": 1, "http_502": 1}
+
+
+def test_a_reference_down_past_its_patience_stops_the_run_and_none_is_asked_for_before_check() -> None:
+    """Past ``retry_for_s`` a failure is ``ReferenceDown`` (the stage stops), not a provider's
+    unscored reply; before ``check`` has passed nothing is retried (nothing is paid yet)."""
+    transport, _ = flaky_vllm([503] * 1000)
+
+    async def go() -> None:
+        async with Reference("http://127.0.0.1:8011/v1", transport=transport, retry_for_s=1) as ref:
+            await ref.check()
+            await ref.score(VLLM["score-ids-max0"]["request"]["body"]["prompt"], top_logprobs=5)
+
+    with pytest.raises(ReferenceDown, match=r"answered 503: busy; still failing after 1 s of retries: restart"):
+        asyncio.run(go())
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "loading"}})
+
+    async def check() -> None:
+        async with Reference("http://127.0.0.1:8011/v1", transport=httpx.MockTransport(refused), retry_for_s=60) as ref:
+            await ref.check()
+
+    started = time.monotonic()
+    with pytest.raises(ReferenceUnusable):
+        asyncio.run(check())
+    assert time.monotonic() - started < 5
 
 
 def test_a_reference_without_a_tokenize_route_is_named_before_any_paid_request() -> None:

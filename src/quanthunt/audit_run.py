@@ -24,7 +24,7 @@ from quanthunt.measurements import Audit, accounted, summary_values
 from quanthunt.params import Margins, Params, section_digest
 from quanthunt.probes import Design, Probe, select_probes
 from quanthunt.prompts import load_prompts
-from quanthunt.reference import Reference
+from quanthunt.reference import Reference, ReferenceDown
 from quanthunt.survey import CANDIDATE, ProviderRow, probe_cost, read_providers
 from quanthunt.tracking import StageRun
 from quanthunt.verdicts import ProviderVerdict, Verdicts
@@ -68,7 +68,7 @@ async def audit_all(
             timeout=probe_timeout(v.request_timeout_s),
             limits=probe_limits(v.concurrency, endpoints=len(rows)),
         ) as gateway,
-        Reference(targets.reference_url, model=params.reference.model) as reference,
+        Reference(targets.reference_url, model=params.reference.model, retry_for_s=v.reference_retry_for_s) as reference,
     ):
         reference_model = (await reference.check()).model
         await check_gateway(gateway, targets.api_url)
@@ -90,7 +90,20 @@ async def audit_all(
             left = [a.tag for a, d in zip(audits, done, strict=True) if not d]
             console.print(f"verify: round {number} done; " + (f"undecided: {', '.join(left)}" if left else "all decided"))
 
-        rounds = await auditor.audit_rounds(audits, probes, round_size=v.probes.prompts, settled=settled, on_round=on_round)
+        try:
+            rounds = await auditor.audit_rounds(audits, probes, round_size=v.probes.prompts, settled=settled, on_round=on_round)
+        except ReferenceDown as exc:
+            spent = sum(a.cost_usd for a in audits)
+            unknown = sum(a.possibly_billed for a in audits)
+            raise ReferenceDown(
+                f"{exc}. verify stopped before writing anything: ${spent:.4f} of probe replies were bought"
+                + (f" (and {unknown} timed-out requests possibly billed)" if unknown else "")
+                + ", and a rerun asks for them again"
+            ) from None
+        if reference.retried:
+            kinds = ", ".join(f"{k} ×{n}" for k, n in reference.retried.most_common())
+            failed = reference.retried.total()
+            console.print(f"verify: the reference failed {failed} requests ({kinds}); each was retried until it answered")
     return audits, rounds, reference_model
 
 

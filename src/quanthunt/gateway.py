@@ -126,6 +126,11 @@ class GatewayError(QuanthuntError):
         self.generation_id = generation_id
 
 
+def backoff_s(error: GatewayError, attempt: int) -> float:
+    """The pause before retry ``attempt + 1``: Retry-After when given, else exponential, at most 10 s."""
+    return min(error.retry_after_s if error.retry_after_s is not None else 0.2 * 2**attempt, 10.0)
+
+
 def retry_after_seconds(value: str | None, *, now: float | None = None) -> float | None:
     """Parse ``Retry-After``: delta-seconds or an HTTP date, capped at
     ``MAX_RETRY_AFTER_S`` (one reply must not pause a run for days). None when absent or

@@ -400,6 +400,11 @@ class Verify(_Section):
     """How long a probe request may wait for its reply once sent, plus ``max_tokens`` at the
     slowest output rate (``gateway.read_timeout_s``); time queued behind our own limit does
     not count. A request that times out is retried under the lowered limit."""
+    reference_retry_for_s: float = Field(gt=0, le=86_400)
+    """Once the audit is under way, how long a reference request that timed out, was
+    refused or got a 408/429/5xx is retried before the stage stops (exit 2, nothing
+    written). The reference is the team's own server, free to ask again, and a paid reply
+    it could not score is not the provider's failure: it is never counted against one."""
 
     @model_validator(mode="after")
     def _rounds(self) -> Verify:

@@ -28,9 +28,12 @@ Usage::
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import os
+import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -41,8 +44,8 @@ import httpx
 import numpy as np
 
 from quanthunt.defaults import GATEWAY_LIMITS, GATEWAY_TIMEOUT
-from quanthunt.errors import ConfigError
-from quanthunt.gateway import ApiKey, GatewayError
+from quanthunt.errors import ConfigError, QuanthuntError
+from quanthunt.gateway import TRANSIENT, ApiKey, GatewayError, backoff_s
 from quanthunt.urls import check_base_url
 
 REFERENCE_KEY_ENV = "REFERENCE_API_KEY"
@@ -62,6 +65,12 @@ server that decodes such a piece to text with U+FFFD is read as naming it this w
 class ReferenceUnusable(ConfigError):
     """The reference deployment cannot do what verification needs (found before any paid
     request): the message names the server and the route."""
+
+
+class ReferenceDown(QuanthuntError):
+    """The reference stopped answering after ``check`` passed and stayed down for
+    ``retry_for_s``: the run stops (exit 2) rather than count the replies it could not
+    score against the providers that were paid for them."""
 
 
 def canonical_name(name: str) -> str:
@@ -133,12 +142,20 @@ class Capabilities:
 
 @dataclass
 class Reference:
-    """The local reference deployment at ``base_url`` (``.../v1``)."""
+    """The local reference deployment at ``base_url`` (``.../v1``).
+
+    ``retry_for_s``: once ``check`` has passed, how long a request that failed for a
+    transient reason (a timeout, a refused connection, 408/429/5xx) is retried before
+    ``ReferenceDown``. Before it, failures are reported at once (nothing is paid yet, and a
+    server that was never started should not keep the user waiting). Each retried failure
+    is counted in ``retried`` by kind."""
 
     base_url: str
     model: str | None = None
     transport: httpx.AsyncBaseTransport | None = None
     timeout: httpx.Timeout = field(default_factory=lambda: GATEWAY_TIMEOUT)
+    retry_for_s: float = 0.0
+    retried: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         try:
@@ -184,6 +201,27 @@ class Reference:
         return reply.status_code, data
 
     async def _post(self, url: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST, retrying transient failures for ``retry_for_s`` once ``check`` has passed."""
+        deadline: float | None = None
+        attempt = 0
+        while True:
+            try:
+                return await self._post_once(url, body)
+            except GatewayError as exc:
+                if self._capabilities is None or self.retry_for_s <= 0 or exc.kind not in TRANSIENT:
+                    raise
+                now = time.monotonic()
+                deadline = now + self.retry_for_s if deadline is None else deadline
+                if now >= deadline:
+                    raise ReferenceDown(
+                        f"{exc}; still failing after {self.retry_for_s:g} s of retries: restart the reference "
+                        f"deployment at {self.base_url} and run again"
+                    ) from None
+                self.retried[exc.kind] += 1
+                attempt += 1
+                await asyncio.sleep(min(backoff_s(exc, attempt), deadline - now))
+
+    async def _post_once(self, url: str, body: Mapping[str, Any]) -> dict[str, Any]:
         status, data = await self._send("POST", url, body)
         if status >= 400 or not isinstance(data, dict):
             raise GatewayError(

@@ -32,7 +32,7 @@ import httpx
 
 from quanthunt.congestion import AdaptiveLimit
 from quanthunt.defaults import GATEWAY_TIMEOUT
-from quanthunt.gateway import TRANSIENT, Gateway, GatewayError, Routing, chat_body
+from quanthunt.gateway import TRANSIENT, Gateway, GatewayError, Routing, backoff_s, chat_body
 from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, compare_logprobs, rank_z
 from quanthunt.params import Reasoning
 from quanthunt.probes import Design, Probe, probe_seed
@@ -55,11 +55,6 @@ async def with_retries(call: Callable[[], Awaitable[T]], *, attempts: int, error
                 raise
             await asyncio.sleep(backoff_s(exc, attempt))
     raise AssertionError("unreachable")
-
-
-def backoff_s(error: GatewayError, attempt: int) -> float:
-    """The pause before retry ``attempt + 1``: Retry-After when given, else exponential, at most 10 s."""
-    return min(error.retry_after_s if error.retry_after_s is not None else 0.2 * 2**attempt, 10.0)
 
 
 def probe_timeout(request_timeout_s: float) -> httpx.Timeout:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.audits import assert_true_to_the_default_roster, audit, outcomes
+from fixtures.audits import assert_true_to_the_default_roster, audit, explained, outcomes
 from fixtures.project import REPO, Project
 
 from quanthunt.engines import VllmServer
@@ -39,10 +39,12 @@ def test_a_real_vllm_and_an_sglang_flavoured_reference_give_the_sandbox_referenc
     assert_true_to_the_default_roster(with_sandbox)
 
     project.set_param("reference.base_url", vllm.base_url)
-    assert outcomes(audit(project, "vLLM reference")) == outcomes(with_sandbox)
+    with_vllm = audit(project, "vLLM reference")
+    assert outcomes(with_vllm) == outcomes(with_sandbox), explained(with_vllm)
 
     project.set_param("reference.base_url", "sandbox")
     roster = yaml.safe_load(default_roster_path().read_text()) | {"reference_flavour": "sglang"}
     (project.root / "sglang.yaml").write_text(yaml.safe_dump(roster))
     project.set_param("sandbox.roster", "sglang.yaml")
-    assert outcomes(audit(project, "sandbox reference (sglang flavour)")) == outcomes(with_sandbox)
+    with_sglang = audit(project, "sandbox reference (sglang flavour)")
+    assert outcomes(with_sglang) == outcomes(with_sandbox), explained(with_sglang)

@@ -120,6 +120,42 @@ def test_verify_with_the_gateway_down_keeps_the_paid_verdicts(
     assert earlier.read_text() == '{"an earlier, paid audit": true}\n'
 
 
+def test_verify_waits_out_a_reference_outage_and_blames_no_provider_for_it(
+    project: Project, latency_sandbox: Callable[..., SandboxProcess]
+) -> None:
+    """A reference that answers 503 for a while mid-audit (restarting, or stalled: a real
+    vLLM beside the busy sandbox on a 2-core CI machine held a dozen scoring requests for
+    minutes, and every provider it could not score came out inconclusive): every paid reply
+    is scored once it is back, and no provider is charged with the reference's failures."""
+    sandbox = latency_sandbox(roster(reference_outage={"after": 12, "requests": 40}))
+    verify_project(project, sandbox)
+    project.set_param("verify.reference_retry_for_s", 60)
+    done = project.run("verify", "--params", "params.yaml")
+    assert done.returncode == 0, done.stderr
+    verdicts = json.loads((project.root / "reports/verify/verdicts.json").read_text())
+    for p in verdicts["providers"]:
+        assert p["failed_requests"] == 0 and not p["unusable"] and not p["errors"], p
+    assert "the reference failed 40 requests (http_503 ×40); each was retried until it answered" in done.stderr
+
+
+def test_verify_stops_when_the_reference_stays_down_and_keeps_the_paid_verdicts(
+    project: Project, latency_sandbox: Callable[..., SandboxProcess]
+) -> None:
+    sandbox = latency_sandbox(roster(reference_outage={"after": 12}))
+    verify_project(project, sandbox)
+    project.set_param("verify.reference_retry_for_s", 2)
+    earlier = project.root / "reports/verify/verdicts.json"
+    earlier.parent.mkdir(parents=True, exist_ok=True)
+    earlier.write_text('{"an earlier, paid audit": true}\n')
+    done = project.run("verify", "--params", "params.yaml")
+    assert done.returncode == 2, done.stderr
+    line = last_line(done)
+    assert line.startswith(f"error: reference {sandbox.reference_url.split('/')[2]} POST /reference/v1/completions answered 503")
+    assert "still failing after 2 s of retries" in line and "of probe replies were bought" in line, line
+    assert "Traceback" not in done.stderr and "exception" not in done.stderr.lower(), done.stderr
+    assert earlier.read_text() == '{"an earlier, paid audit": true}\n'
+
+
 @pytest.mark.parametrize("kind", FAULT_KINDS)
 def test_generate_under_provider_faults(generation_bed: Callable[..., GenerationBed], kind: str) -> None:
     # A held reply is waited for request_timeout_s (2 s) plus max_tokens (48) at 10 tokens/s: hold it longer.

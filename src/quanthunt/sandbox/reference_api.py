@@ -180,7 +180,20 @@ def reference_routes(roster: Roster, engine: CompletionEngine) -> list[Route]:
             }
         )
 
+    completions_seen = 0
+
+    def in_outage() -> bool:
+        """Whether this ``/completions`` request falls in the roster's ``reference_outage``."""
+        nonlocal completions_seen
+        completions_seen += 1
+        outage = roster.reference_outage
+        if outage is None or completions_seen <= outage.after:
+            return False
+        return outage.requests is None or completions_seen <= outage.after + outage.requests
+
     async def completions(request: Request) -> Response:
+        if in_outage():
+            return _error(503, "the reference is restarting (the roster's reference_outage)")
         try:
             data = parse_json_object(await request.body())
             check_model(data)

@@ -367,6 +367,17 @@ class Credits(_Strict):
     the in-flight-budget 402 always names its ``limit_source``."""
 
 
+class Outage(_Strict):
+    """A stretch of the reference's ``/completions`` requests answered 503, as a reference
+    that stalls or restarts mid-audit does (a real vLLM on a loaded 2-core machine held a
+    dozen scoring requests for minutes while the sandbox computed beside it)."""
+
+    after: int = Field(ge=0)
+    """Requests answered before the outage starts (``Reference.check`` sends up to four)."""
+    requests: int | None = Field(default=None, ge=1)
+    """Requests answered 503 before it ends; null: the reference never comes back."""
+
+
 class Roster(_Strict):
     """A sandbox roster file."""
 
@@ -383,6 +394,8 @@ class Roster(_Strict):
     """``/generation?id=`` answers 404 for this long after a reply (OpenRouter: ~1 s)."""
     reference_flavour: Literal["vllm", "sglang"] = "vllm"
     """How ``/reference`` answers, as that server does (``sandbox/reference_api.py``)."""
+    reference_outage: Outage | None = None
+    """An outage of the reference mid-run (none by default)."""
 
     @field_validator("providers")
     @classmethod
