@@ -33,8 +33,7 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         figures = metrics(verdicts)
         with Outputs() as out:
             out.write_text(root / paths.verdicts, verdicts.model_dump_json(indent=2) + "\n")
-            for tag, png in images.items():
-                out.write_bytes(paths.plot(root, tag), png)
+            out.write_dir(root / paths.verify_plots, {paths.plot(root, tag).name: png for tag, png in images.items()})
             out.write_text(root / paths.verify_report, render_report(verdicts, images))
             out.write_json(root / paths.verify_metrics, figures)
         show(verdicts, console)

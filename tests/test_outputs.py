@@ -106,3 +106,25 @@ def test_write_atomic_that_cannot_rename_leaves_the_target_and_no_staged_file(tm
     with pytest.raises(OSError):
         write_atomic(tmp_path / "chat.json", b"{}\n")
     assert [p.name for p in tmp_path.iterdir()] == ["chat.json"] and (tmp_path / "chat.json").is_dir()
+
+
+def test_a_directory_is_replaced_whole_and_only_when_the_block_succeeds(tmp_path: Path) -> None:
+    """An earlier run's plot of a provider this run did not audit goes with its directory;
+    a failed run leaves the earlier directory as it was."""
+    plots = tmp_path / "reports/verify/plots"
+    plots.mkdir(parents=True)
+    (plots / "gone-provider.png").write_bytes(b"earlier")
+    (plots / "alpha.png").write_bytes(b"earlier alpha")
+    before = files_under(tmp_path)
+    with pytest.raises(RuntimeError, match="the stage failed"), Outputs() as out:
+        out.write_dir(plots, {"alpha.png": b"new alpha"})
+        raise RuntimeError("the stage failed")
+    assert files_under(tmp_path) == before
+    with Outputs() as out:
+        out.write_dir(plots, {"alpha.png": b"new alpha", "beta.png": b"new beta"})
+        assert files_under(plots) == before_plots(before)
+    assert files_under(tmp_path) == {"reports/verify/plots/alpha.png": b"new alpha", "reports/verify/plots/beta.png": b"new beta"}
+
+
+def before_plots(before: dict[str, bytes]) -> dict[str, bytes]:
+    return {name.removeprefix("reports/verify/plots/"): data for name, data in before.items()}

@@ -5,6 +5,7 @@ message; afterwards outputs, ledger and MLflow agree, and a rerun completes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -154,6 +155,43 @@ def test_verify_stops_when_the_reference_stays_down_and_keeps_the_paid_verdicts(
     assert "still failing after 2 s of retries" in line and "of probe replies were bought" in line, line
     assert "Traceback" not in done.stderr and "exception" not in done.stderr.lower(), done.stderr
     assert earlier.read_text() == '{"an earlier, paid audit": true}\n'
+
+
+def digests(project: Project, *folders: str) -> dict[str, str]:
+    """sha256 of every file under ``folders`` of the project, by path."""
+    return {
+        str(p.relative_to(project.root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for folder in folders
+        for p in sorted((project.root / folder).rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_failed_stage_under_dvc_repro_keeps_the_survey_and_the_paid_audit(
+    project: Project, latency_sandbox: Callable[..., SandboxProcess]
+) -> None:
+    """DVC deletes a stage's outputs before it runs, unless they persist: a broken prompts
+    line (verify fails) or an unreachable gateway (survey fails first) left the paid
+    verdicts.json, its report and plots, and the survey's outputs deleted."""
+    sandbox = latency_sandbox(roster())
+    verify_project(project, sandbox)
+    first = project.dvc("repro", "verify")
+    assert first.returncode == 0, first.stdout + first.stderr
+    kept = digests(project, "reports/survey", "reports/verify")
+    assert "reports/verify/verdicts.json" in kept and any(p.endswith(".png") for p in kept)
+
+    prompts = project.root / "data/prompts/code.jsonl"
+    original = prompts.read_bytes()
+    prompts.write_bytes(original + b'{"broken\n')
+    done = project.dvc("repro", "verify")
+    assert done.returncode != 0 and "data/prompts/code.jsonl" in done.stderr, done.stderr
+    assert digests(project, "reports/survey", "reports/verify") == kept
+
+    prompts.write_bytes(original)
+    project.set_param("api.base_url", "http://127.0.0.1:9/api/v1")
+    done = project.dvc("repro", "verify")
+    assert done.returncode != 0 and "cannot reach" in done.stderr, done.stderr
+    assert digests(project, "reports/survey", "reports/verify") == kept
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)
