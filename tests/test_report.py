@@ -109,7 +109,7 @@ CHAT = DatasetView(
         record("r2", turn("alpha/int4", tokens=30), turn("beta/fp8", tokens=20, cost=0.004)),  # a record for each endpoint
         record("r3", turn("beta/fp8", tokens=None, cost=None)),  # usage the reply did not carry counts as none
     ],
-    card={"cost_usd": 0.5, "tokens": {"completion": 4000}},
+    card={"cost_usd": 0.5, "tokens": {"completion": 4000}, "spend": {"settled_usd": 0.51, "possibly_billed_usd": 0.03}},
     validation={"status": "passed", "truncated_share": 0.0, "near_duplicate_share": 0.0},
 )
 CODE = DatasetView("code", [record("c1", turn("alpha/int4", tokens=5, cost=0.002))], card=None, validation=None)
@@ -246,8 +246,12 @@ def test_the_budget_section_sets_the_spend_against_the_plan_and_projects_it_to_t
     assert rows["audit, spent"] == ["$0.0024", "36 probes"]  # 3 providers × 12 probes
     assert rows["generation, spent"] == ["$0.5000", f"4,000 output tokens of the {target:,} target ({4000 / target:.4%})"]
     assert rows["generation, projected to the target"] == [f"${0.5 / 4000 * target:,.2f}", "at the $125.00/M paid so far"]
+    assert rows["generation, possibly billed"][0] == "$0.0300"  # timed out or cut off: shown, not folded into "spent"
     left = plan["budget_usd"] - 0.0024 - 0.5
-    assert rows["spent in all"] == ["$0.5024", f"${left:,.2f} of the budget left"]
+    assert rows["spent in all"] == [
+        "$0.5024",
+        f"${left:,.2f} of the budget left, ${left - 0.03:,.2f} if all that was possibly billed was",
+    ]
     assert [label for label in rows if label.startswith("plan at")] == [f"plan at the {s} candidate" for s in
                                                                         ("cheapest", "median", "worst")]  # fmt: skip
 
@@ -271,7 +275,8 @@ def test_the_page_summary_counts_the_whole_audit(page_html: str) -> None:
     page = Page(page_html)
     assert page.text["summary"] == (
         f"4 endpoints surveyed, 2 excluded; 3 audited: 1 different, 2 equivalent. 4 training records (75 output tokens) "
-        f"across 2 dataset(s) from 2 endpoints for $0.5000; verification probes $0.0024. Reference deployment: "
+        f"across 2 dataset(s) from 2 endpoints for $0.5000 (and $0.0300 possibly billed); verification probes $0.0024. "
+        "Reference deployment: "
         f"{SHIPPED.survey.model}. Verification MLflow run: verify-run."
     )
 
@@ -305,5 +310,5 @@ def test_names_from_the_gateway_are_shown_escaped_never_parsed(page_html: str) -
 
 def test_the_datasets_table_shows_validated_and_unvalidated_datasets(page_html: str) -> None:
     chat, code = (cells for _, cells in Page(page_html).rows["datasets"])
-    assert chat[:5] == ["chat", "3", "70", "$0.5000", "passed"] and chat[6] == "none"
-    assert code[:5] == ["code", "1", "5", "$0.0000", "not validated"]
+    assert chat[:6] == ["chat", "3", "70", "$0.5000", "$0.0300", "passed"] and chat[7] == "none"
+    assert code[:6] == ["code", "1", "5", "$0.0000", "$0.0000", "not validated"]

@@ -22,7 +22,7 @@ import orjson
 from quanthunt import schemas
 from quanthunt.errors import ConfigError, QuanthuntError
 from quanthunt.jobs import dataset_params_hash
-from quanthunt.ledger import open_ledger
+from quanthunt.ledger import Spend, open_ledger
 from quanthunt.monitoring import UNLOGGED, monitor_card, suspect_checkpoints
 from quanthunt.params import DatasetFiles, Params, section_digest
 from quanthunt.templates import PromptCheck
@@ -56,6 +56,8 @@ class Inputs:
     recorded: dict[str, tuple[str, str]]
     """Record id -> (line sha256, line) as generation wrote them to the ledger."""
     costs: dict[str, float]
+    spend: Spend
+    """Every attempt of the dataset at these sampling params, by billing (the ledger's)."""
     monitors: dict[tuple[str, str], dict[str, Any]]
 
 
@@ -74,6 +76,7 @@ def read_inputs(params: Params, root: Path, dataset: str) -> Inputs:
     try:
         recorded = ledger.done_records(dataset, hashed)
         costs = ledger.record_costs(dataset, hashed)
+        spend = ledger.spend(dataset=dataset, params_hash=hashed)
         monitors = ledger.monitor_states(verdicts.verification_run_id or UNLOGGED)
     finally:
         ledger.close()
@@ -93,6 +96,7 @@ def read_inputs(params: Params, root: Path, dataset: str) -> Inputs:
         params_hash=hashed,
         recorded=recorded,
         costs=costs,
+        spend=spend,
         monitors=monitors,
     )
 
@@ -164,6 +168,17 @@ def provenance_card(
         "turns_generated": m["turns"],
         "tokens": {"prompt": m["prompt_tokens"], "completion": m["completion_tokens"]},
         "cost_usd": m["cost_usd"],
+        "spend": {
+            "settled_usd": round(inputs.spend.settled_usd, 8),
+            "possibly_billed_usd": round(inputs.spend.unknown_usd, 8),
+            "attempts": inputs.spend.attempts,
+            "possibly_billed_attempts": inputs.spend.unknown_attempts,
+            "why": (
+                "every attempt at these sampling params, exported or not (cost_usd: the exported records' replies); "
+                "possibly billed: sent, then timed out or cut off, and not yet confirmed through /generation "
+                "(counted at their reservations, a worst-case bound); generate reconciles them when it learns their ids"
+            ),
+        },
         "model": params.survey.model,
         "reference_model": inputs.verdicts.reference_model,
         "providers": _providers(inputs, m["endpoints"]),

@@ -23,7 +23,7 @@ from quanthunt.connection import Targets
 from quanthunt.coordinator import coordinate
 from quanthunt.errors import EXIT_INTERRUPTED, EXIT_OUT_OF_BUDGET, ConfigError
 from quanthunt.gateway import Gateway, Routing, check_gateway, resolve_api_key
-from quanthunt.generation import Engine, StopRun
+from quanthunt.generation import Budget, Engine, StopRun
 from quanthunt.interrupts import StopSignals
 from quanthunt.jobs import Eligible, Job, Progress, dataset_params_hash
 from quanthunt.ledger import LedgerWriter, open_ledger
@@ -80,7 +80,7 @@ def limited(path: Path, max_records: int | None, skip: frozenset[str]) -> Iterat
             yield record
 
 
-def status_table(job: Job, p: Progress, spent: float) -> Table:
+def status_table(job: Job, p: Progress, budget: Budget) -> Table:
     elapsed = max(time.monotonic() - p.started, 1e-9)
     done = p.records_done_before + p.records_done
     table = Table.grid(padding=(0, 2))
@@ -91,13 +91,13 @@ def status_table(job: Job, p: Progress, spent: float) -> Table:
         f"skipped {p.records_skipped}",
         f"in flight {p.in_flight}",
     )
-    budget = f"/{job.max_output_tokens:,}" if job.max_output_tokens else ""
+    token_cap = f"/{job.max_output_tokens:,}" if job.max_output_tokens else ""
     rate = p.requests_ok / elapsed
     left = p.records_total - done - p.records_failed - p.records_skipped
     eta = f"{left / (p.records_done / elapsed):.0f} s" if p.records_done else "?"
     table.add_row(
-        f"tokens {p.output_tokens_before + p.output_tokens:,}{budget}",
-        f"${spent:.4f} of ${job.max_usd:g}",
+        f"tokens {p.output_tokens_before + p.output_tokens:,}{token_cap}",
+        f"{money(budget)} of ${job.max_usd:g}",
         f"{rate:.1f} req/s",
         f"ETA {eta}",
     )
@@ -218,16 +218,16 @@ async def run(
 
 async def show_progress(engine: Engine, job: Job, console: Console, interval_s: float) -> None:
     if console.is_terminal:
-        with Live(status_table(job, engine.progress, engine.budget.spent_usd), console=console, refresh_per_second=4) as live:
+        with Live(status_table(job, engine.progress, engine.budget), console=console, refresh_per_second=4) as live:
             while True:
                 await asyncio.sleep(0.25)
-                live.update(status_table(job, engine.progress, engine.budget.spent_usd))
+                live.update(status_table(job, engine.progress, engine.budget))
     while True:
         await asyncio.sleep(interval_s)
         p = engine.progress
         console.print(
             f"{job.dataset}: {p.records_done_before + p.records_done}/{p.records_total} records, "
-            f"{p.in_flight} in flight, {p.output_tokens} tokens, ${engine.budget.spent_usd:.4f} spent, "
+            f"{p.in_flight} in flight, {p.output_tokens} tokens, {money(engine.budget)}, "
             f"retries {sum(p.retries.values())}, errors {sum(p.errors.values())}"
         )
 
@@ -271,10 +271,20 @@ def detail(engine: Engine, headline: dict[str, object], counts: dict[str, int]) 
     }
 
 
+def money(budget: Budget) -> str:
+    """The run's settled spend and, beside it when there is any, what may have been billed."""
+    settled = f"${budget.settled_usd:.4f} spent"
+    if budget.unknown_usd <= 0:
+        return settled
+    return f"{settled} + ${budget.unknown_usd:.4f} possibly billed"
+
+
 def done_line(job: Job, engine: Engine) -> str:
     p = engine.progress
+    unknown = (" (possibly billed: sent, then timed out or cut off, no charge confirmed through /generation yet; "
+               "at most their reservations, reconciled at the next run)") if engine.budget.unknown_usd > 0 else ""  # fmt: skip
     return (f"{job.dataset}: {p.records_done_before + p.records_done}/{p.records_total} records done ({p.records_done} new, "
-            f"{p.output_tokens:,} new output tokens, ${engine.budget.settled_usd:.4f} spent this run)")  # fmt: skip
+            f"{p.output_tokens:,} new output tokens, {money(engine.budget)} this run){unknown}")  # fmt: skip
 
 
 def log_run(mlflow_run: StageRun, job: Job, engine: Engine, detail: dict[str, object]) -> None:
@@ -292,6 +302,7 @@ def log_run(mlflow_run: StageRun, job: Job, engine: Engine, detail: dict[str, ob
             "dataset": job.dataset,
             "providers": ",".join(sorted(progress.providers)),
             "cost_usd": f"{engine.budget.settled_usd:.6f}",
+            "possibly_billed_usd": f"{engine.budget.unknown_usd:.6f}",
             "stop_reason": progress.stop_reason or "",
         }
     )

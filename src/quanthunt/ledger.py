@@ -371,11 +371,14 @@ class Ledger(abc.ABC):
                 (cost_usd, *row),
             )
 
-    def spend(self, *, dataset: str | None = None, run_id: str | None = None) -> Spend:
+    def spend(self, *, dataset: str | None = None, run_id: str | None = None, params_hash: str | None = None) -> Spend:
         where, args = [], []
         if dataset is not None:
             where.append("dataset=?")
             args.append(dataset)
+        if params_hash is not None:
+            where.append("params_hash=?")
+            args.append(params_hash)
         if run_id is not None:
             where.append("run_id=?")
             args.append(run_id)

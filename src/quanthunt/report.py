@@ -30,6 +30,11 @@ class DatasetView:
     card: dict[str, Any] | None
     validation: dict[str, Any] | None
 
+    @property
+    def possibly_billed_usd(self) -> float:
+        """What the card's ledger figures say may have been billed beyond the settled spend."""
+        return float(((self.card or {}).get("spend") or {}).get("possibly_billed_usd", 0.0))
+
 
 @dataclass(frozen=True)
 class Served:
@@ -325,6 +330,9 @@ def budget_section(plan: Mapping[str, Any] | None, verdicts: Verdicts, datasets:
     target = int(plan["target_output_tokens"])
     bought = sum(int((d.card or {}).get("tokens", {}).get("completion", 0)) for d in datasets)
     paid = sum(float((d.card or {}).get("cost_usd", 0.0)) for d in datasets)
+    unknown = sum(d.possibly_billed_usd for d in datasets)
+    why = "sent, then timed out or cut off, no charge confirmed yet (at most their reservations; reconciled through /generation)"
+    unknown_rows = [["generation, possibly billed", _usd(unknown), why]] if unknown else []
     planned_audit = float(plan["verification"]["cost_usd"])
     per_token = paid / bought if bought else 0.0
     projected = per_token * target
@@ -339,12 +347,18 @@ def budget_section(plan: Mapping[str, Any] | None, verdicts: Verdicts, datasets:
         ["audit, planned worst case", _usd(planned_audit), f"{plan['verification']['requests']:,} probe requests"],
         ["audit, spent", _usd(verdicts.cost_usd), f"{sum(v.probes for v in verdicts.providers):,} probes"],
         ["generation, spent", _usd(paid), f"{bought:,} output tokens of the {target:,} target ({bought / target:.4%})"],
+        *unknown_rows,
         [
             "generation, projected to the target",
             _usd(projected) if bought else "—",
             f"at the ${per_token * 1e6:.2f}/M paid so far" if bought else "nothing bought yet",
         ],
-        ["spent in all", _usd(verdicts.cost_usd + paid), f"{_usd(budget - verdicts.cost_usd - paid)} of the budget left"],
+        [
+            "spent in all",
+            _usd(verdicts.cost_usd + paid),
+            f"{_usd(budget - verdicts.cost_usd - paid)} of the budget left"
+            + (f", {_usd(budget - verdicts.cost_usd - paid - unknown)} if all that was possibly billed was" if unknown else ""),
+        ],
     ]
     bars = [(f"plan: {s['scenario']} ({s['tag']})", float(s["total_cost_usd"]), "plan") for s in plan["scenarios"]]
     bars += [("audit, planned worst case", planned_audit, "plan"), ("audit, spent", verdicts.cost_usd, "spent"),
@@ -372,6 +386,7 @@ def render(
     records = sum(len(d.records) for d in datasets)
     tokens = sum(r["provenance"]["usage"]["completion_tokens"] for d in datasets for r in d.records)
     paid = sum(float((d.card or {}).get("cost_usd", 0.0)) for d in datasets)
+    unknown = sum(d.possibly_billed_usd for d in datasets)
     counts = Counter(v.verdict for v in verdicts.providers)
     excluded = sum(not r.is_candidate for r in providers)
     verdict_rows = []
@@ -412,11 +427,12 @@ def render(
         match = (card.get("prompts") or {}).get("match_share")
         run_id = card.get("mlflow", {}).get("validate_run_id", "")
         dataset_rows.append([d.name, len(d.records), sum(r["provenance"]["usage"]["completion_tokens"] for r in d.records),
-                             _usd(float(card.get("cost_usd", 0.0))), validation.get("status", "not validated"),
+                             _usd(float(card.get("cost_usd", 0.0))), _usd(d.possibly_billed_usd),
+                             validation.get("status", "not validated"),
                              validation.get("truncated_share", ""), dropped, "" if match is None else f"{match:.1%}",
                              validation.get("near_duplicate_share", ""), run_id])  # fmt: skip
     dataset_table = _table(
-        ["dataset", "records", "output tokens", "cost", "validation", "truncated", "unfinished turns removed",
+        ["dataset", "records", "output tokens", "cost", "possibly billed", "validation", "truncated", "unfinished turns removed",
          "prompts match", "near-duplicates", "MLflow validate run"],
         dataset_rows,
     )  # fmt: skip
@@ -429,7 +445,9 @@ def render(
         f"{len(providers)} endpoints surveyed, {excluded} excluded; {len(verdicts.providers)} audited: "
         + ", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items()))
         + f". {records} training records ({tokens:,} output tokens) across {len(datasets)} dataset(s) from "
-        f"{len(endpoints)} endpoints for {_usd(paid)}; verification probes {_usd(verdicts.cost_usd)}"
+        f"{len(endpoints)} endpoints for {_usd(paid)}"
+        + (f" (and {_usd(unknown)} possibly billed)" if unknown else "")
+        + f"; verification probes {_usd(verdicts.cost_usd)}"
         + (f"; budget {_usd(float(plan['budget_usd']))}" if plan else "")
         + f". Reference deployment: {verdicts.reference_model}. Verification MLflow run: "
         f"{verdicts.verification_run_id or ''}."

@@ -72,6 +72,38 @@ def test_faults_are_retried_and_reconciled(generation_bed: Bed) -> None:
     assert round(settled + unknown, 10) >= round(bed.charged_usd(), 10) >= round(settled, 10)
 
 
+def test_possibly_billed_spend_shows_wherever_spend_does(generation_bed: Bed) -> None:
+    """Timed-out requests whose charge /generation cannot confirm yet (its records lag an
+    hour here) stay possibly billed: the final line, the metrics, the MLflow run, the card
+    and the report show them beside the settled spend, equal to the ledger's (they said
+    "$0.0045 spent" with $0.0565 possibly billed beside it)."""
+    bed = generation_bed(
+        faults={"timeout": 0.3, "timeout_s": 10},
+        records=12,
+        # short replies, so a held one outlasts its read timeout soon (every one is then cut at 48 tokens: let validate pass it)
+        params={"generate.retry.max_attempts": 10, "generate.sampling.max_tokens": 48, "validate.max_truncated_share": 1.0},
+        roster_extra={"generation_lookup_delay_s": 3600},
+    )
+    done = bed.generate()
+    assert done.returncode == 0, done.stderr
+    settled, unknown = bed.ledger_spend()
+    assert unknown > 0 and settled - 1e-9 <= bed.charged_usd() <= settled + unknown + 1e-9
+    assert f"+ ${unknown:.4f} possibly billed this run" in done.stderr, done.stderr
+    metrics = json.loads((bed.project.root / "reports/generate/tiny.json").read_text())
+    assert metrics["possibly_billed_usd_run"] == pytest.approx(unknown)
+    (run,) = [r for r in bed.project.mlflow().search_runs(["0", "1"]) if r.data.tags.get("dataset") == "tiny"]
+    assert float(run.data.tags["possibly_billed_usd"]) == pytest.approx(unknown, abs=1e-6)
+
+    checked = bed.project.run("validate", "tiny", "--params", "params.yaml")
+    assert checked.returncode == 0, checked.stderr
+    card = json.loads((bed.project.root / "data/final/tiny.card.json").read_text())
+    assert card["spend"]["possibly_billed_usd"] == pytest.approx(unknown)
+    assert card["spend"]["settled_usd"] == pytest.approx(settled) and card["spend"]["possibly_billed_attempts"] > 0
+    assert bed.project.run("report", "--params", "params.yaml").returncode == 0
+    page = (bed.project.root / "reports/index.html").read_text()
+    assert f"(and ${unknown:.4f} possibly billed)" in page
+
+
 def test_out_of_credit_exits_75_and_resumes_after_top_up(generation_bed: Bed) -> None:
     bed = generation_bed(records=60, credits=0.004)
     first = bed.generate()
