@@ -9,6 +9,7 @@ rendering are ``tests/stages/test_report_stage.py``."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 from collections import defaultdict
 from html.parser import HTMLParser
@@ -32,7 +33,7 @@ from quanthunt.report import (
     survey_section,
     verification_rows,
 )
-from quanthunt.survey import ProviderRow, plan_budget
+from quanthunt.survey import ProviderRow, plan_budget, price_scenario
 from quanthunt.verdicts import Estimate
 from quanthunt.verdicts import TestResult as HypothesisTest  # not a pytest class
 
@@ -223,21 +224,25 @@ def test_the_survey_section_tells_who_was_excluded_audited_and_served() -> None:
 
 def test_the_served_section_prices_each_endpoints_output_and_flags_one_never_audited() -> None:
     rogue = DatasetView("code", [record("c9", turn("omega/int4", tokens=1000, cost=0.002))], {"cost_usd": 0.01}, None)
-    page = Page(served_section(served([CHAT, rogue]), VERDICTS, [CHAT, rogue]))
+    html = served_section(served([CHAT, rogue]), VERDICTS, [CHAT, rogue], PROVIDERS)
+    page = Page(html)
     assert page.text[""].startswith(
         "4 validated records from 3 endpoints. Paid for generation (validate cards, every attempt): $0.5100; of it the "
         "exported replies: $0.3070."
     )
     rows = {cells[1]: cells for _, cells in page.rows[""]}
-    assert rows["alpha/int4"] == [EVIL, "alpha/int4", "int4", "equivalent", "2", "3", "50", "$0.3010", "6020.00", "chat 2"]
-    assert rows["omega/int4"][2:4] == ["?", "not audited"] and rows["omega/int4"][-2:] == ["2.00", "code 1"]
-    assert rows["beta/fp8"][-2] == "200.00"
+    # paid per output token, prompts included, beside the list prices (in / out) it is not comparable to alone
+    assert rows["alpha/int4"] == [EVIL, "alpha/int4", "int4", "equivalent", "2", "3", "50", "$0.3010", "6020.00",
+                                  "0.50 / 2.00", "chat 2"]  # fmt: skip
+    assert rows["omega/int4"][2:4] == ["?", "not audited"] and rows["omega/int4"][-3:] == ["2.00", "—", "code 1"]
+    assert rows["beta/fp8"][-3] == "200.00"
+    assert "$ per M output tokens paid (prompts included)" in html
 
 
 def test_the_budget_section_sets_the_spend_against_the_plan_and_projects_it_to_the_target() -> None:
     plan = plan_budget(PROVIDERS, SHIPPED.survey.budget, SHIPPED.verify)
     target = plan["target_output_tokens"]
-    page = Page(budget_section(plan, VERDICTS, DATASETS))
+    page = Page(budget_section(plan, VERDICTS, DATASETS, PROVIDERS))
     rows = {cells[0]: cells[1:] for _, cells in page.rows[""]}
     assert rows["budget (survey.budget.usd)"][0] == f"${plan['budget_usd']:,.2f}"
     assert plan["verification"]["cost_usd"] < 1 and rows["audit, planned worst case"][0] == (
@@ -252,13 +257,34 @@ def test_the_budget_section_sets_the_spend_against_the_plan_and_projects_it_to_t
         "$0.5024",
         f"${left:,.2f} of the budget left, ${left - 0.03:,.2f} if all that was possibly billed was",
     ]
-    assert [label for label in rows if label.startswith("plan at")] == [f"plan at the {s} candidate" for s in
-                                                                        ("cheapest", "median", "worst")]  # fmt: skip
+    assert [label for label in rows if label.startswith("plan at")] == [
+        *(f"plan at the {s} candidate" for s in ("cheapest", "median", "worst")),
+        "plan at the cheapest eligible endpoint",
+    ]
+    assert rows["plan at the cheapest candidate"][1].endswith("; audited equivalent")
+
+
+def test_the_budget_plan_is_priced_again_over_the_endpoints_the_audit_found_eligible() -> None:
+    """The survey plans over candidates before the audit: its cheapest may be one the audit
+    rejected, and the page must not leave it standing as the plan."""
+    cheap = dataclasses.replace(surveyed("Cheap", "cheap/int4"), completion_usd_per_m=1.0)
+    dear = dataclasses.replace(surveyed("Dear", "dear/int4"), completion_usd_per_m=3.0)
+    plan = plan_budget([cheap, dear], SHIPPED.survey.budget, SHIPPED.verify)
+    audit = verdicts_of(provider_verdict("cheap/int4", "different"), provider_verdict("dear/int4"))
+    rows = {cells[0]: cells[1:] for _, cells in Page(budget_section(plan, audit, DATASETS, [cheap, dear])).rows[""]}
+    assert rows["plan at the cheapest candidate"][1].startswith("cheap/int4 at $1.00/M out")
+    assert rows["plan at the cheapest candidate"][1].endswith("; audited different: not bought from")
+    repriced = price_scenario("cheapest eligible", dear, SHIPPED.survey.budget)
+    assert rows["plan at the cheapest eligible endpoint"][0] == f"${repriced.total_cost_usd:,.2f}"
+    assert rows["plan at the cheapest eligible endpoint"][1].startswith("dear/int4 at $3.00/M out")
+    nothing = verdicts_of(provider_verdict("cheap/int4", "different"), provider_verdict("dear/int4", "inconclusive"))
+    rows = {cells[0]: cells[1:] for _, cells in Page(budget_section(plan, nothing, DATASETS, [cheap, dear])).rows[""]}
+    assert rows["plan at the cheapest eligible endpoint"] == ["—", "the audit found no endpoint eligible"]
 
 
 def test_sections_with_nothing_to_show_say_what_is_missing() -> None:
-    assert served_section([], VERDICTS, []) == "<p>No generated records yet.</p>"
-    assert budget_section(None, VERDICTS, DATASETS) == "<p>No budget plan found (run the survey stage).</p>"
+    assert served_section([], VERDICTS, [], PROVIDERS) == "<p>No generated records yet.</p>"
+    assert budget_section(None, VERDICTS, DATASETS, PROVIDERS) == "<p>No budget plan found (run the survey stage).</p>"
     assert overview_section(verdicts_of(), MARGIN) == "<p>No provider was audited.</p>"
 
 

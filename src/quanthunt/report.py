@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from quanthunt import figures
-from quanthunt.params import Decision, Margins
-from quanthunt.survey import ProviderRow
+from quanthunt.params import Decision, Margins, PurchasePlan
+from quanthunt.survey import ProviderRow, price_scenario
 from quanthunt.verdicts import Estimate, ProviderVerdict, Verdicts
 
 
@@ -296,20 +296,28 @@ def overview_section(verdicts: Verdicts, margin: Margins) -> str:
     return _img(overview_figure(verdicts, margin), caption) + _table(headers, rows, [v.verdict for v in verdicts.providers])
 
 
-def served_section(rows: Sequence[Served], verdicts: Verdicts, datasets: Sequence[DatasetView]) -> str:
+def served_section(
+    rows: Sequence[Served], verdicts: Verdicts, datasets: Sequence[DatasetView], providers: Sequence[ProviderRow]
+) -> str:
+    """Who served the exported records and what their replies cost: per output token as
+    paid (the prompts' cost included, so above the list price of an output token), beside
+    the endpoint's list prices from the survey."""
     if not rows:
         return "<p>No generated records yet.</p>"
     audited = {v.tag: v for v in verdicts.providers}
+    listed = {r.tag: r for r in providers}
     table = []
     for s in rows:
         v = audited.get(s.tag)
         cost = s.cost
         per_m = f"{cost / s.output_tokens * 1e6:.2f}" if s.output_tokens else "—"
+        price = listed.get(s.tag)
+        list_price = f"{price.prompt_usd_per_m:.2f} / {price.completion_usd_per_m:.2f}" if price else "—"
         table.append([s.provider, s.tag, v.declared_quantization if v else "?", v.verdict if v else "not audited",
-                      s.records.total(), s.turns, f"{s.output_tokens:,}", _usd(cost), per_m,
+                      s.records.total(), s.turns, f"{s.output_tokens:,}", _usd(cost), per_m, list_price,
                       ", ".join(f"{name} {n}" for name, n in sorted(s.records.items()))])  # fmt: skip
     headers = ["provider", "tag", "declares", "verdict", "records", "turns", "output tokens", "cost of its replies",
-               "$/M output paid", "records by dataset"]  # fmt: skip
+               "$ per M output tokens paid (prompts included)", "list $/M in / out", "records by dataset"]  # fmt: skip
     paid = sum(float((d.card or {}).get("cost_usd", 0.0)) for d in datasets)
     replies = sum(s.cost for s in rows)
     lead = (
@@ -320,10 +328,14 @@ def served_section(rows: Sequence[Served], verdicts: Verdicts, datasets: Sequenc
     return lead + _table(headers, table) + _img(figure, "records and cost per provider, by dataset")
 
 
-def budget_section(plan: Mapping[str, Any] | None, verdicts: Verdicts, datasets: Sequence[DatasetView]) -> str:
+def budget_section(
+    plan: Mapping[str, Any] | None, verdicts: Verdicts, datasets: Sequence[DatasetView], providers: Sequence[ProviderRow]
+) -> str:
     """The survey's budget plan (``budget_plan.json``) against the spend: the audit's cost
     against its worst case, the tokens bought against the target, and the price paid
-    projected to the whole target."""
+    projected to the whole target. The survey planned over every candidate before the
+    audit; each scenario says what the audit found of its endpoint, and the plan is priced
+    again at the cheapest endpoint the audit found eligible (the one generation can use)."""
     if not plan:
         return "<p>No budget plan found (run the survey stage).</p>"
     budget = float(plan["budget_usd"])
@@ -338,11 +350,26 @@ def budget_section(plan: Mapping[str, Any] | None, verdicts: Verdicts, datasets:
     projected = per_token * target
     rows = [["budget (survey.budget.usd)", _usd(budget), f"{target:,} output tokens ({plan['datasets']} datasets × "
              f"{plan['output_tokens_per_dataset']:,})"]]  # fmt: skip
+    audited = {v.tag: v for v in verdicts.providers}
     for s in plan["scenarios"]:
+        v = audited.get(s["tag"])
+        found = f"audited {v.verdict}" + ("" if v.eligible else ": not bought from") if v else "not audited"
         rows.append([f"plan at the {s['scenario']} candidate", _usd(s["total_cost_usd"]),
                      f"{s['tag']} at ${s['completion_usd_per_m']:.2f}/M out; "
                      f"{'within' if s['within_budget'] else 'over'} budget; affords {s['affordable_output_tokens']:,} "
-                     "tokens"])  # fmt: skip
+                     f"tokens; {found}"])  # fmt: skip
+    eligible = sorted((r for r in providers if r.tag in audited and audited[r.tag].eligible),
+                      key=lambda r: (r.completion_usd_per_m, r.prompt_usd_per_m))  # fmt: skip
+    if eligible:
+        purchase = PurchasePlan(usd=budget, datasets=int(plan["datasets"]),
+                                output_tokens_per_dataset=int(plan["output_tokens_per_dataset"]),
+                                input_tokens_per_output_token=float(plan["input_tokens_per_output_token"]))  # fmt: skip
+        best = price_scenario("cheapest eligible", eligible[0], purchase)
+        rows.append(["plan at the cheapest eligible endpoint", _usd(best.total_cost_usd),
+                     f"{best.tag} at ${best.completion_usd_per_m:.2f}/M out; {'within' if best.within_budget else 'over'} "
+                     f"budget; affords {best.affordable_output_tokens:,} tokens"])  # fmt: skip
+    elif verdicts.providers:
+        rows.append(["plan at the cheapest eligible endpoint", "—", "the audit found no endpoint eligible"])
     rows += [
         ["audit, planned worst case", _usd(planned_audit), f"{plan['verification']['requests']:,} probe requests"],
         ["audit, spent", _usd(verdicts.cost_usd), f"{sum(v.probes for v in verdicts.providers):,} probes"],
@@ -455,8 +482,8 @@ def render(
     sections = [
         _section("overview", "The audit at a glance", overview_section(verdicts, margin)),
         _section("providers", "Providers: surveyed, excluded, audited", survey_section(providers, verdicts, by_tag)),
-        _section("served", "Who served the data, at what cost", served_section(endpoints, verdicts, datasets)),
-        _section("budget", "Budget plan against the spend", budget_section(plan, verdicts, datasets)),
+        _section("served", "Who served the data, at what cost", served_section(endpoints, verdicts, datasets, providers)),
+        _section("budget", "Budget plan against the spend", budget_section(plan, verdicts, datasets, providers)),
         _section(
             "verdicts",
             "Verdicts in detail",
