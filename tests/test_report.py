@@ -288,6 +288,22 @@ def test_sections_with_nothing_to_show_say_what_is_missing() -> None:
     assert overview_section(verdicts_of(), MARGIN) == "<p>No provider was audited.</p>"
 
 
+def test_the_overview_shows_each_logprob_effect_as_tested_and_unclipped() -> None:
+    """Clipped at the tail as the test bets on it, every coarse provider read 0.25; the
+    unclipped mean beside it tells them apart."""
+    coarse = [
+        provider_verdict(tag, "different", effects={
+            "mean_abs_dlogprob_clipped": Estimate(value=0.25, ci_low=0.25, ci_high=0.25),
+            "mean_abs_dlogprob": Estimate(value=value, ci_low=value - 0.1, ci_high=value + 0.1),
+        })
+        for tag, value in (("nv/nvfp4", 0.61), ("mx/fp4", 1.37))
+    ]  # fmt: skip
+    html = overview_section(verdicts_of(*coarse), MARGIN)
+    rows = [cells for _, cells in Page(html).rows[""]]
+    assert [row[6:8] for row in rows] == [["0.25 [0.25, 0.25]", "0.61 [0.51, 0.71]"], ["0.25 [0.25, 0.25]", "1.37 [1.27, 1.47]"]]
+    assert f"clipped at {MARGIN.tail_dlogprob:g}" in html and "unclipped" in html
+
+
 # -- the page ----------------------------------------------------------------------------------------------------------
 
 

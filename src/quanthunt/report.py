@@ -287,12 +287,16 @@ def overview_section(verdicts: Verdicts, margin: Margins) -> str:
             v.completions,
             _estimate(sampler_effect(v)),
             _estimate(logprob_effect(v)) if v.mode == "logprob" else "—",
+            _estimate(v.effects.get("mean_abs_dlogprob")) if v.mode == "logprob" else "—",
             v.reason,
         ]
         for v in verdicts.providers
     ]
+    # As tested, every completion past the tail counts as the tail: all coarse providers read
+    # the same (0.25); unclipped, how far off each one is can be told apart.
     headers = ["provider", "tag", "verdict", "mode", "completions", "mean Φ(rank z) [95% CI]",
-               "mean |Δ logprob| [95% CI]", "why"]  # fmt: skip
+               f"mean |Δ logprob| as tested, clipped at {margin.tail_dlogprob:g} [95% CI]",
+               "mean |Δ logprob| unclipped [95% CI]", "why"]  # fmt: skip
     return _img(overview_figure(verdicts, margin), caption) + _table(headers, rows, [v.verdict for v in verdicts.providers])
 
 
