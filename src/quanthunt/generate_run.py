@@ -263,6 +263,7 @@ def detail(engine: Engine, headline: dict[str, object], counts: dict[str, int]) 
         "retries": dict(progress.retries),
         "errors": dict(progress.errors),
         "retired_endpoints": progress.retired,
+        "limit_cuts": progress.limit_cuts,
         "monitor_stops": progress.monitor_stops,
         "providers": dict(progress.providers),
         "request_states": counts,

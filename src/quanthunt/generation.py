@@ -47,6 +47,7 @@ from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
+from quanthunt.congestion import AdaptiveLimit
 from quanthunt.defaults import GATEWAY_UNREACHABLE_S
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
 from quanthunt.gateway import TRANSIENT, GatewayError, chat_body, same_provider
@@ -205,6 +206,11 @@ class Engine:
         self._endpoints = {p.tag: p for p in job.providers}
         self._active = list(job.providers)
         self._routing = {p.tag: job.routing.pin(p.tag, siblings=p.siblings) for p in job.providers}
+        self.limits = {p.tag: AdaptiveLimit(job.concurrency, on_cut=functools.partial(self._cut, p.tag)) for p in job.providers}
+        """Requests in flight at each endpoint (``quanthunt.congestion``): a timeout halves
+        its limit, successes grow it back. Each endpoint is its own backend, so one that
+        queues slows only its own requests; without it every request queued behind a slow
+        one timed out, was possibly billed and was bought again."""
         self._unknown_with_id: list[tuple[int, str, float]] = []
         self._record_costs = ledger.unwritten_record_costs(job.dataset, job.params_hash)
         """Settled spend of each record not yet written (all its attempts, earlier runs' too)."""
@@ -215,6 +221,10 @@ class Engine:
         self._unreachable: GatewayError | None = None
         """The latest connection failure of that run."""
         self._write_error: BaseException | None = None
+
+    def _cut(self, tag: str, before: int, after: int) -> None:
+        self.progress.limit_cuts[tag] = self.progress.limit_cuts.get(tag, 0) + 1
+        self.progress.limits[tag] = after
 
     def stop(self, reason: str, *, fatal: StopRun | None = None) -> None:
         if not self._stop.is_set():
@@ -377,34 +387,45 @@ class Engine:
                 seed=job.sampling.request_seed(key.record_id, key.turn), routing=self._routing[endpoint.tag],
                 reasoning=job.reasoning, logprobs=logprobs, top_logprobs=LOGPROB_TOP if logprobs else None,
             )  # fmt: skip
-            if not self.budget.reserve(worst) and not await self._leased(worst):
-                cap = f"the run's spending cap (generate.max_usd_per_run ${job.max_usd:g})"
-                if self.lease is not None:
-                    cap += " or the team's (survey.budget.usd, in the shared ledger)"
-                self.stop(f"{cap} would be exceeded")
-                return None
-            attempt_id: int | None = await self.writer.write(StartAttempt(key, run_id=job.run_id, reserved_usd=worst))
-            if attempt_id is None:
-                self.budget.settle(worst, 0.0)
-                raise Fenced(key.record_id)
-            self.progress.in_flight += 1
+            limit = self.limits[endpoint.tag]
+            async with limit.slot() as ticket:  # nothing is reserved or marked in flight while it waits
+                if self._stop.is_set():
+                    return None
+                if not self.budget.reserve(worst) and not await self._leased(worst):
+                    cap = f"the run's spending cap (generate.max_usd_per_run ${job.max_usd:g})"
+                    if self.lease is not None:
+                        cap += " or the team's (survey.budget.usd, in the shared ledger)"
+                    self.stop(f"{cap} would be exceeded")
+                    return None
+                attempt_id: int | None = await self.writer.write(StartAttempt(key, run_id=job.run_id, reserved_usd=worst))
+                if attempt_id is None:
+                    self.budget.settle(worst, 0.0)
+                    raise Fenced(key.record_id)
+                self.progress.in_flight += 1
 
-            def note(generation_id: str, attempt_id: int = attempt_id) -> None:
-                # Saved as soon as the headers arrive, so a reply lost mid-body can be reconciled.
-                self.writer.note_generation_id(attempt_id, generation_id)
+                def note(generation_id: str, attempt_id: int = attempt_id) -> None:
+                    # Saved as soon as the headers arrive, so a reply lost mid-body can be reconciled.
+                    self.writer.note_generation_id(attempt_id, generation_id)
 
-            try:
-                reply = await self.chat.chat(body, on_headers=note)
-            except GatewayError as error:
-                self.progress.in_flight -= 1
-                outcome = await self._failed(key, attempt_id, worst, error)
+                try:
+                    reply = await self.chat.chat(body, on_headers=note)
+                except GatewayError as error:
+                    self.progress.in_flight -= 1
+                    if error.kind == "timeout":
+                        limit.timed_out(ticket)
+                    failed: GatewayError | None = error
+                else:
+                    self.progress.in_flight -= 1
+                    limit.succeeded(ticket)
+                    failed = None
+            if failed is not None:
+                outcome = await self._failed(key, attempt_id, worst, failed)
                 if outcome == "stop" or attempt == job.retry.max_attempts:
                     return None
                 await asyncio.sleep(
-                    error.retry_after_s if error.retry_after_s is not None else job.retry.delay(attempt, self.rng)
+                    failed.retry_after_s if failed.retry_after_s is not None else job.retry.delay(attempt, self.rng)
                 )
                 continue
-            self.progress.in_flight -= 1
             result = await self._succeeded(key, attempt_id, worst, reply, endpoint, committing=committing,
                                            monitored=messages if monitored else None)  # fmt: skip
             if result is not None:
@@ -434,8 +455,10 @@ class Engine:
         waited = False
         while True:
             ready = [p for p in self._active if self.monitoring is None or not self.monitoring.lagging(p.tag)]
-            if ready:
-                return self.rng.choices(ready, weights=[p.weight for p in ready])[0]
+            # endpoints with room under their limit first: a worker does not queue for a cut one while others are free
+            roomy = [p for p in ready if self.limits[p.tag].in_flight < self.limits[p.tag].allowed] or ready
+            if roomy:
+                return self.rng.choices(roomy, weights=[p.weight for p in roomy])[0]
             if self._stop.is_set() or not self._active:
                 return None
             if not waited and self.monitoring is not None:
