@@ -50,3 +50,20 @@ def test_sample_audit_labels_both_sources_and_survives_an_empty_audit() -> None:
         warnings.simplefilter("error")  # no legend asked of a panel with nothing labelled
         empty = description(figures.sample_audit("Nothing measured", [], [], wealth=[], threshold=20.0))
     assert empty.splitlines()[0] == "figure: Nothing measured" and "x: rank z" in empty
+
+
+def test_a_monitor_scored_once_is_drawn_as_a_visible_point() -> None:
+    """A short run monitors a provider once or twice: a line through one point drew
+    nothing (the report's monitoring plots were empty); short paths get a marker each."""
+    import matplotlib.pyplot as plt
+
+    fig = figures.monitors_figure("chat: monitors", {"alpha/int4": [[0, 1.4]], "beta/int4": [[i, 1.0] for i in range(200)]},
+                                  {"alpha/int4": 40.0})  # fmt: skip
+    (ax,) = fig.axes
+    single, long = ax.get_lines()[:2]
+    assert single.get_marker() == "o" and len(single.get_xdata()) == 1
+    assert long.get_marker() in ("None", None, "")  # a long path is a line
+    low, high = ax.get_ylim()
+    assert low < 1.4 < high and ax.get_xlim()[0] <= 1 <= ax.get_xlim()[1]
+    plt.close(fig)
+    assert "monitored replies" in description(figures.monitors("chat: monitors", {"alpha/int4": [[0, 1.4]]}, {}))

@@ -46,10 +46,21 @@ def _e_process(ax: Any, wealth: Sequence[float], threshold: float) -> None:
 def monitors(title: str, paths: Mapping[str, Sequence[Sequence[float]]], thresholds: Mapping[str, float]) -> bytes:
     """Each provider's monitor e-process over a generation run (``[index, e-value]`` after
     each scored reply), on a log scale, with the wealth that stops the provider."""
+    return png(monitors_figure(title, paths, thresholds))
+
+
+MARKED_UP_TO = 60
+"""Paths of at most this many scored replies are drawn with a marker at each: a short run
+monitors a provider once or twice, and a line through one point draws nothing."""
+
+
+def monitors_figure(title: str, paths: Mapping[str, Sequence[Sequence[float]]], thresholds: Mapping[str, float]) -> Any:
     fig, ax = subplots(height=3.0)
     for number, (tag, path) in enumerate(sorted(paths.items())):
         color = f"C{number % 10}"
-        ax.plot([p[0] + 1 for p in path], [max(p[1], 1e-6) for p in path], color=color, label=tag)
+        marker = "o" if len(path) <= MARKED_UP_TO else None
+        ax.plot([p[0] + 1 for p in path], [max(p[1], 1e-6) for p in path], color=color, label=tag, marker=marker,
+                markersize=3)  # fmt: skip
         if tag in thresholds:
             ax.axhline(thresholds[tag], color=color, linestyle=":", linewidth=0.8)
     ax.axhline(1.0, color="grey", linewidth=0.6)
@@ -58,7 +69,7 @@ def monitors(title: str, paths: Mapping[str, Sequence[Sequence[float]]], thresho
     ax.set_xlabel("monitored replies")
     ax.set_ylabel("e-process (dotted: stop)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return png(fig)
+    return fig
 
 
 def describe(fig: Any) -> str:
