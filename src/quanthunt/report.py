@@ -511,10 +511,9 @@ def render(
 <style>
 body{{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1040px;padding:0 1em;color:#222;line-height:1.4}}
 h2{{margin-top:1.6em;border-bottom:1px solid #ddd}} .wide{{overflow-x:auto}}
-table{{border-collapse:collapse;margin:0.8em 0;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:3px 6px;vertical-align:top;white-space:pre-line}}
-table.detail{{min-width:1500px}} table.detail td:nth-child(6){{min-width:200px}}
-table.detail td:nth-child(7),table.detail td:nth-child(8){{min-width:300px}}
+table{{border-collapse:collapse;margin:0.8em 0;font-size:13px;width:100%}}
+td,th{{border:1px solid #ccc;padding:3px 6px;vertical-align:top;white-space:pre-line;overflow-wrap:anywhere}}
+table.detail{{font-size:12px}}
 th{{background:#f4f4f4;text-align:left}}
 {colors} .skipped{{color:#777}}
 figure{{margin:0.8em 0}} img{{display:block;max-width:100%;height:auto}} figcaption{{font-size:13px;color:#555}}
@@ -530,6 +529,9 @@ window.addEventListener("load", () => {{
   document.body.dataset.imagesLoaded = String(images.filter((i) => i.complete && i.naturalWidth > 0).length);
   document.body.dataset.imagesTotal = String(images.length);
   document.body.dataset.imagesOverflowing = String(images.filter((i) => i.getBoundingClientRect().right > width).length);
+  const tables = [...document.querySelectorAll("div.wide")];
+  document.body.dataset.tablesTotal = String(tables.length);
+  document.body.dataset.tablesOverflowing = String(tables.filter((t) => t.scrollWidth > t.clientWidth + 1).length);
 }});
 </script>
 </body></html>

@@ -220,6 +220,8 @@ def test_chromium_renders_every_plot(reported: GenerationBed, tmp_path: Path) ->
     assert state["total"] >= 6
     assert state["loaded"] == state["total"]  # every embedded plot decoded and laid out
     assert state["overflowing"] == 0  # each sized to the page, even a narrow window
+    tables: dict[str, Any] = {k: int(v) for k, v in re.findall(r'data-tables-(\w+)="(\d+)"', dom)}
+    assert tables["total"] >= 6 and tables["overflowing"] == 0  # every table's columns fit (the detail table ran to 1,500 px)
     shot = tmp_path / "report.png"
     subprocess.run(
         [*common, f"--screenshot={shot}", "--window-size=1400,3000", page], capture_output=True, timeout=120, check=True
