@@ -224,7 +224,6 @@ class Engine:
 
     def _cut(self, tag: str, before: int, after: int) -> None:
         self.progress.limit_cuts[tag] = self.progress.limit_cuts.get(tag, 0) + 1
-        self.progress.limits[tag] = after
 
     def stop(self, reason: str, *, fatal: StopRun | None = None) -> None:
         if not self._stop.is_set():

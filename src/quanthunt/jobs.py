@@ -171,8 +171,6 @@ class Progress:
     """Endpoints dropped for the rest of the run (tag -> why)."""
     limit_cuts: dict[str, int] = field(default_factory=dict)
     """Times each endpoint's in-flight limit was halved after a timeout (tag -> cuts)."""
-    limits: dict[str, int] = field(default_factory=dict)
-    """Each cut endpoint's in-flight limit just after its latest cut."""
     monitor_stops: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Providers their monitor stopped this run (tag -> ``monitor.Stop`` fields, and the
     replies it had served this run when the stop came: ``providers`` minus it is what was

@@ -31,6 +31,11 @@ class DatasetView:
     validation: dict[str, Any] | None
 
     @property
+    def cost_usd(self) -> float:
+        """The card's cost of the exported records (0 before validation)."""
+        return float((self.card or {}).get("cost_usd", 0.0))
+
+    @property
     def possibly_billed_usd(self) -> float:
         """What the card's ledger figures say may have been billed beyond the settled spend."""
         return float(((self.card or {}).get("spend") or {}).get("possibly_billed_usd", 0.0))
@@ -322,7 +327,7 @@ def served_section(
                       ", ".join(f"{name} {n}" for name, n in sorted(s.records.items()))])  # fmt: skip
     headers = ["provider", "tag", "declares", "verdict", "records", "turns", "output tokens", "cost of its replies",
                "$ per M output tokens paid (prompts included)", "list $/M in / out", "records by dataset"]  # fmt: skip
-    paid = sum(float((d.card or {}).get("cost_usd", 0.0)) for d in datasets)
+    paid = sum(d.cost_usd for d in datasets)
     replies = sum(s.cost for s in rows)
     lead = (
         f"<p>{sum(len(d.records) for d in datasets)} validated records from {len(rows)} endpoints. Paid for generation "
@@ -345,7 +350,7 @@ def budget_section(
     budget = float(plan["budget_usd"])
     target = int(plan["target_output_tokens"])
     bought = sum(int((d.card or {}).get("tokens", {}).get("completion", 0)) for d in datasets)
-    paid = sum(float((d.card or {}).get("cost_usd", 0.0)) for d in datasets)
+    paid = sum(d.cost_usd for d in datasets)
     unknown = sum(d.possibly_billed_usd for d in datasets)
     why = "sent, then timed out or cut off, no charge confirmed yet (at most their reservations; reconciled through /generation)"
     unknown_rows = [["generation, possibly billed", _usd(unknown), why]] if unknown else []
@@ -416,7 +421,7 @@ def render(
     by_tag = {s.tag: s for s in endpoints}
     records = sum(len(d.records) for d in datasets)
     tokens = sum(r["provenance"]["usage"]["completion_tokens"] for d in datasets for r in d.records)
-    paid = sum(float((d.card or {}).get("cost_usd", 0.0)) for d in datasets)
+    paid = sum(d.cost_usd for d in datasets)
     unknown = sum(d.possibly_billed_usd for d in datasets)
     counts = Counter(v.verdict for v in verdicts.providers)
     excluded = sum(not r.is_candidate for r in providers)
@@ -458,7 +463,7 @@ def render(
         match = (card.get("prompts") or {}).get("match_share")
         run_id = card.get("mlflow", {}).get("validate_run_id", "")
         dataset_rows.append([d.name, len(d.records), sum(r["provenance"]["usage"]["completion_tokens"] for r in d.records),
-                             _usd(float(card.get("cost_usd", 0.0))), _usd(d.possibly_billed_usd),
+                             _usd(d.cost_usd), _usd(d.possibly_billed_usd),
                              validation.get("status", "not validated"),
                              validation.get("truncated_share", ""), dropped, "" if match is None else f"{match:.1%}",
                              validation.get("near_duplicate_share", ""), run_id])  # fmt: skip
