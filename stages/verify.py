@@ -8,12 +8,14 @@ run with a nested run per provider.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 from rich.console import Console
 
 from quanthunt.audit_run import audit_all, decide, metrics, plan, plots, render_report, show, tags
 from quanthunt.connection import open_targets
+from quanthunt.ledger import open_ledger
 from quanthunt.outputs import Outputs
 from quanthunt.stage import Stage
 
@@ -24,9 +26,13 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
     params, root, paths, console = stage.params, stage.root, stage.paths, stage.console
     surveyed, rows, probes = plan(params, root)
     with stage.tracked(params.verify) as run:
-        with open_targets(params, root=root, stage="verify", needs_model=True) as targets:
+        with (
+            open_targets(params, root=root, stage="verify", needs_model=True) as targets,
+            contextlib.closing(open_ledger(params.ledger.url, root)) as ledger,
+        ):
+            siblings = [r.tag for r in surveyed]
             audits, rounds, reference_model = asyncio.run(
-                audit_all(params, rows, probes, targets, siblings=[r.tag for r in surveyed], console=console)
+                audit_all(params, rows, probes, targets, siblings=siblings, console=console, ledger=ledger, run_id=run.run_id)
             )
         verdicts = decide(params, run, rows=rows, probes=probes, audits=audits, rounds=rounds, reference_model=reference_model)
         images = plots(params, audits, verdicts)

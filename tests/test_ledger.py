@@ -4,6 +4,7 @@ SQLite in tmp_path, a real PostgreSQL server started by the suite)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from quanthunt.ledger import (
     NoteGenerationIds,
     RequestKey,
     SaveMonitor,
+    SaveProbeReply,
     StartAttempt,
     WriteRecords,
     open_ledger,
@@ -144,7 +146,38 @@ def test_reopening_keeps_everything_and_applies_no_migration_twice(ledger: Ledge
     again = open_ledger("sqlite:///state/ledger.sqlite", tmp_path)
     try:
         assert again.query("SELECT version FROM schema_migrations ORDER BY version") == versions
-        assert versions == ([(1,), (2,)] if isinstance(ledger, SqliteLedger) else [(1,), (2,), (3,)])
+        assert versions == ([(1,), (2,), (3,)] if isinstance(ledger, SqliteLedger) else [(1,), (2,), (3,), (4,)])
+        assert again.query("SELECT id FROM attempts") == [(attempt,)]
+    finally:
+        again.close()
+
+
+def test_paid_probe_replies_are_kept_by_request_and_read_back_by_age(ledger: Ledger) -> None:
+    before = time.time()
+    ledger.commit([SaveProbeReply("k1", "a/int4", "chat:1", '{"x": 1}', 0.002, "run-1"),
+                   SaveProbeReply("k2", "b/fp8", "chat:1", '{"x": 2}', 0.0, "run-1")])  # fmt: skip
+    ledger.write(SaveProbeReply("k1", "a/int4", "chat:1", '{"x": 3}', 0.004, "run-2"))  # bought again: the newer wins
+    paid = ledger.paid_probe_replies(since=before)
+    assert set(paid) == {"k1", "k2"}
+    reply, cost, run_id, at = paid["k1"]
+    assert (reply, cost, run_id) == ('{"x": 3}', 0.004, "run-2") and before <= at <= time.time()
+    assert ledger.paid_probe_replies(since=time.time() + 60) == {}
+
+
+def test_an_older_ledger_gains_the_probe_replies_table_and_nothing_is_applied_twice(ledger: Ledger, tmp_path: Path) -> None:
+    """A ledger made before the verify stage kept its replies (SQLite at version 2, a shared
+    ledger at 3): reopened, it gets the new table under the next number, and a shared
+    ledger's own migration is not run again (it would fail: its tables exist)."""
+    attempt = ledger.write(StartAttempt(key("a"), "r", 0.1))
+    last = 3 if isinstance(ledger, SqliteLedger) else 4
+    with ledger.transaction() as tx:
+        tx.execute("DROP TABLE probe_replies")
+        tx.execute("DELETE FROM schema_migrations WHERE version=?", (last,))
+    again = open_ledger("sqlite:///state/ledger.sqlite", tmp_path)
+    try:
+        assert again.query("SELECT MAX(version) FROM schema_migrations") == [(last,)]
+        again.write(SaveProbeReply("k", "a/int4", "chat:1", "{}", 0.001, "run"))
+        assert set(again.paid_probe_replies(since=0)) == {"k"}
         assert again.query("SELECT id FROM attempts") == [(attempt,)]
     finally:
         again.close()

@@ -10,6 +10,7 @@ import asyncio
 import json
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +19,9 @@ from fixtures.congestion import DESIGN, FAST, FAST_PROVIDERS, PROBES, QUEUEING, 
 from fixtures.sandbox import roster_dict
 
 from quanthunt.gateway import ApiKey, Gateway, GatewayError, chat_body
+from quanthunt.ledger import open_ledger
 from quanthunt.measurements import Audit
+from quanthunt.paid_replies import PaidReplies
 from quanthunt.reference import Reference
 from quanthunt.sandbox.server import SandboxProcess
 from quanthunt.verification import Auditor, with_retries
@@ -127,3 +130,48 @@ def test_a_queueing_endpoint_slows_only_its_own_probes(latency_sandbox: Callable
             assert len(audits[slug].logprob) == len(PROBES) and not audits[slug].errors, audits[slug]
     for slug in FAST:
         assert together[slug] <= 1.5 * alone[slug], (slug, alone, together)
+
+
+# -- paid probe replies are used again, never bought twice -----------------------------------
+
+
+def ask_twice(tmp_path: Path, *, gateways: tuple[str, str] = ("gw", "gw"), max_age_s: float = 3600) -> tuple[list[Audit], int]:
+    """Two runs ask the same probe request, each with the ledger's paid replies; returns
+    their audits and how many requests reached the gateway."""
+    sent: list[Any] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json=REPLY | {"id": f"gen-{len(sent)}"})
+
+    async def run(gateway_identity: str, run_id: str) -> Audit:
+        ledger = open_ledger("sqlite:///state/ledger.sqlite", tmp_path)
+        paid = PaidReplies(ledger, gateway=gateway_identity, run_id=run_id, max_age_s=max_age_s)
+        gateway = Gateway("http://127.0.0.1/api/v1", api_key=ApiKey("k"), transport=httpx.MockTransport(handler))
+        try:
+            async with paid, gateway, Reference("http://127.0.0.1/api/v1", model="m/x") as reference:
+                auditor = Auditor(gateway, reference, DESIGN, concurrency=4, paid=paid)
+                audit = Audit("Alpha", "alpha/x", "sample")
+                reply = await auditor._ask(audit, PROBES[0], 0, logprobs=False)
+                assert reply.content == "hi" and reply.id in {"gen-1", "gen-2"}
+                return audit
+        finally:
+            ledger.close()
+
+    audits = [asyncio.run(run(identity, f"run-{i}")) for i, identity in enumerate(gateways)]
+    return audits, len(sent)
+
+
+def test_a_probe_reply_an_earlier_run_bought_is_used_again_with_its_cost(tmp_path: Path) -> None:
+    (first, second), sent = ask_twice(tmp_path)
+    assert sent == 1
+    assert (first.reused, first.cost_usd, first.reused_cost_usd) == (0, 0.001, 0.0)
+    assert (second.reused, second.cost_usd, second.reused_cost_usd) == (1, 0.001, 0.001)
+    assert second.served_by == first.served_by == {"Alpha": 1} and second.tokens == first.tokens == 1
+
+
+def test_a_reply_is_bought_again_for_another_gateway_or_when_reuse_is_off(tmp_path: Path) -> None:
+    (_, other), sent = ask_twice(tmp_path / "a", gateways=("sandbox:roster-1", "sandbox:roster-2"))
+    assert sent == 2 and other.reused == 0
+    (_, again), sent = ask_twice(tmp_path / "b", max_age_s=0)
+    assert sent == 2 and again.reused == 0 and again.reused_cost_usd == 0

@@ -20,7 +20,9 @@ from quanthunt.connection import Targets
 from quanthunt.decision import Subject
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import Gateway, check_gateway, resolve_api_key
+from quanthunt.ledger import Ledger
 from quanthunt.measurements import Audit, accounted, summary_values
+from quanthunt.paid_replies import PaidReplies
 from quanthunt.params import Margins, Params, section_digest
 from quanthunt.probes import Design, Probe, select_probes
 from quanthunt.prompts import load_prompts
@@ -56,12 +58,24 @@ def subjects_to_audit(rows: list[ProviderRow], params: Params) -> list[Row]:
 
 
 async def audit_all(
-    params: Params, rows: list[Row], probes: list[Probe], targets: Targets, *, siblings: list[str], console: Console
+    params: Params,
+    rows: list[Row],
+    probes: list[Probe],
+    targets: Targets,
+    *,
+    siblings: list[str],
+    console: Console,
+    ledger: Ledger,
+    run_id: str,
 ) -> tuple[list[Audit], list[int], str]:
-    """Audit every row in rounds until each is decided or has had every probe of the plan."""
+    """Audit every row in rounds until each is decided or has had every probe of the plan.
+    A probe request that an earlier run bought within ``verify.reuse_paid_replies_h`` is
+    answered from ``ledger``, and every reply bought is kept there at once."""
     v = params.verify
     design = Design.of(params)
+    paid = PaidReplies(ledger, gateway=targets.gateway, run_id=run_id, max_age_s=v.reuse_paid_replies_h * 3600)
     async with (
+        paid,
         Gateway(
             targets.api_url,
             api_key=resolve_api_key(targets.api_url),
@@ -79,7 +93,7 @@ async def audit_all(
                 "(timed-out probes are retried)"
             )
 
-        auditor = Auditor(gateway, reference, design, concurrency=v.concurrency, siblings=siblings, on_cut=on_cut)
+        auditor = Auditor(gateway, reference, design, concurrency=v.concurrency, siblings=siblings, paid=paid, on_cut=on_cut)
         audits = [Audit(r.subject.provider, r.subject.tag, "logprob" if r.logprobs else "sample") for r in rows]
         subjects = [r.subject for r in rows]
 
@@ -93,17 +107,28 @@ async def audit_all(
         try:
             rounds = await auditor.audit_rounds(audits, probes, round_size=v.probes.prompts, settled=settled, on_round=on_round)
         except ReferenceDown as exc:
-            spent = sum(a.cost_usd for a in audits)
+            spent = sum(a.cost_usd - a.reused_cost_usd for a in audits)
             unknown = sum(a.possibly_billed for a in audits)
+            again = (
+                f"a rerun within verify.reuse_paid_replies_h ({v.reuse_paid_replies_h:g} h) uses them, not buying them again"
+                if v.reuse_paid_replies_h > 0
+                else "a rerun buys them again (verify.reuse_paid_replies_h is 0)"
+            )
             raise ReferenceDown(
-                f"{exc}. verify stopped before writing anything: ${spent:.4f} of probe replies were bought"
-                + (f" (and {unknown} timed-out requests possibly billed)" if unknown else "")
-                + ", and a rerun asks for them again"
+                f"{exc}. verify stopped before writing anything: ${spent:.4f} of probe replies were bought and are kept "
+                "in the ledger" + (f" (and {unknown} timed-out requests possibly billed)" if unknown else "") + f"; {again}"
             ) from None
         if reference.retried:
             kinds = ", ".join(f"{k} ×{n}" for k, n in reference.retried.most_common())
             failed = reference.retried.total()
             console.print(f"verify: the reference failed {failed} requests ({kinds}); each was retried until it answered")
+    if reused := sum(a.reused for a in audits):
+        earlier = sum(a.reused_cost_usd for a in audits)
+        bought = sum(a.cost_usd for a in audits) - earlier
+        console.print(
+            f"verify: {reused} probe replies (${earlier:.4f}) were bought by an earlier run within "
+            f"verify.reuse_paid_replies_h and used again; ${bought:.4f} bought now"
+        )
     return audits, rounds, reference_model
 
 
@@ -135,11 +160,17 @@ td,th{{border:1px solid #ccc;padding:4px;vertical-align:top}}
 <h1>Verification of {html.escape(verdicts.model)}</h1>
 <p>Reference: {html.escape(verdicts.reference_model)}. α = {verdicts.alpha}, {verdicts.correction} correction across providers,
 sequential audit (testing by betting: the verdicts hold however many rounds were looked at), up to
-{len(verdicts.probe_ids)} probe prompts, total probe cost ${verdicts.cost_usd:.5f}. MLflow run {verdicts.verification_run_id}.
+{len(verdicts.probe_ids)} probe prompts, total probe cost ${verdicts.cost_usd:.5f}{_reused_html(verdicts)}.
+MLflow run {verdicts.verification_run_id}.
 Tests marked baseline are the fixed-sample tests on the first round, reported for comparison; they decide nothing.</p>
 <table><tr><th>provider</th><th>declares</th><th>mode</th><th>verdict</th><th>effects [95% CI]</th><th>tests</th><th>power</th>
 <th>audit</th><th>cost</th></tr>{"".join(rows)}</table>{plots}</body></html>
 """
+
+
+def _reused_html(verdicts: Verdicts) -> str:
+    n = sum(v.reused_replies for v in verdicts.providers)
+    return f" (${verdicts.reused_cost_usd:.5f} of it for {n} replies bought by an earlier run and used again)" if n else ""
 
 
 def _unusable_html(v: ProviderVerdict) -> str:
@@ -176,7 +207,7 @@ def log_provider_runs(run: StageRun, verdicts: list[ProviderVerdict], margin: Ma
             | {f"power.{k}": p for k, p in v.power.items()}
             | {"completions": v.completions, "rounds": v.rounds, "e_value": v.e_value, "failed_requests": v.failed_requests}
             | {f"unusable.{k}": n for k, n in v.unusable.items()}
-            | {"possibly_billed": v.possibly_billed, "cost_usd": v.cost_usd}
+            | {"possibly_billed": v.possibly_billed, "cost_usd": v.cost_usd, "reused_replies": v.reused_replies}
         )
         child.set_tags({"reason": v.reason, "mode": v.mode, "measured_precision": v.measured_precision(margin)})
         out.append(v.model_copy(update={"mlflow_run_id": child.run_id}))
@@ -221,6 +252,7 @@ def decide(
         probe_ids=[p.id for p in probes[: max(rounds, default=0) * v.probes.prompts]],
         verification_run_id=run.run_id,
         cost_usd=round(sum(a.cost_usd for a in audits), 8),
+        reused_cost_usd=round(sum(a.reused_cost_usd for a in audits), 8),
         providers=decided,
     )
     return Verdicts.model_validate(verdicts.model_dump())

@@ -1,12 +1,13 @@
 """The request ledger: a crash-safe record of every request generation sends and what
 it cost. One row per request key (dataset, record, turn, params hash), one row per HTTP
 attempt (append-only history), one row per finished record with the sha256 of its output
-line (tamper evidence), and the generate stage's monitors.
+line (tamper evidence), the generate stage's monitors, and the verify stage's paid probe
+replies (``SaveProbeReply``, ``paid_probe_replies``).
 
 One interface, two backends, chosen by URL (``open_ledger``): SQLite (WAL) in a local
 file, the default (``quanthunt.ledger_sqlite``), and PostgreSQL, which many hosts can
 share (``quanthunt.ledger_postgres``). Writes are operations (``StartAttempt``,
-``FinishAttempt``, ``WriteRecords``, ``SaveMonitor``, ``NoteGenerationIds``) that a
+``FinishAttempt``, ``WriteRecords``, ``SaveMonitor``, ``NoteGenerationIds``, ``SaveProbeReply``) that a
 backend applies in one transaction per batch (``Ledger.commit``).
 
 Writes are grouped: ``LedgerWriter`` commits the queued operations in one transaction
@@ -165,8 +166,21 @@ class NoteGenerationIds:
     notes: Sequence[tuple[int, str]] = field(default_factory=list)
 
 
-Operation = StartAttempt | FinishAttempt | WriteRecords | SaveMonitor | NoteGenerationIds
-KINDS: tuple[type, ...] = (NoteGenerationIds, StartAttempt, FinishAttempt, WriteRecords, SaveMonitor)
+@dataclass(frozen=True)
+class SaveProbeReply:
+    """A probe reply verify paid for, keyed by the sha256 of the request that bought it
+    (``quanthunt.paid_replies``)."""
+
+    request_sha256: str
+    tag: str
+    probe_id: str
+    reply: str
+    cost_usd: float
+    run_id: str
+
+
+Operation = StartAttempt | FinishAttempt | WriteRecords | SaveMonitor | NoteGenerationIds | SaveProbeReply
+KINDS: tuple[type, ...] = (NoteGenerationIds, StartAttempt, FinishAttempt, WriteRecords, SaveMonitor, SaveProbeReply)
 """The order in which a commit applies each kind's batch."""
 
 
@@ -281,6 +295,13 @@ class Ledger(abc.ABC):
                 self._save_monitor(tx, op, now)
         elif kind is NoteGenerationIds:
             tx.executemany("UPDATE attempts SET generation_id=? WHERE id=?", [(g, a) for op in ops for a, g in op.notes])
+        elif kind is SaveProbeReply:
+            tx.executemany(
+                """INSERT INTO probe_replies VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_sha256)
+                   DO UPDATE SET reply=excluded.reply, cost_usd=excluded.cost_usd, run_id=excluded.run_id,
+                                 created_at=excluded.created_at""",
+                [(op.request_sha256, op.tag, op.probe_id, op.reply, op.cost_usd, op.run_id, now) for op in ops],
+            )
         return [None] * len(ops)
 
     @staticmethod
@@ -326,6 +347,14 @@ class Ledger(abc.ABC):
             if (dataset, tag) in states:
                 states[dataset, tag]["path"].append([index, e_value])
         return states
+
+    def paid_probe_replies(self, since: float) -> dict[str, tuple[str, float, str, float]]:
+        """request sha256 → (reply, cost, run id, bought at) of every probe reply bought at
+        or after ``since`` (a Unix time)."""
+        rows = self.query(
+            "SELECT request_sha256, reply, cost_usd, run_id, created_at FROM probe_replies WHERE created_at >= ?", (since,)
+        )
+        return {key: (reply, float(cost), run_id, float(at)) for key, reply, cost, run_id, at in rows}
 
     def done_turns(self, dataset: str, params_hash: str) -> dict[tuple[str, int], dict[str, Any]]:
         """Replies of the finished turns of records not written yet, by (record id, turn):

@@ -112,5 +112,27 @@ def monitors(tx: Transaction, types: Dialect) -> None:
     )
 
 
-MIGRATIONS: tuple[Callable[[Transaction, Dialect], None], ...] = (requests_and_attempts, monitors)
-"""In order: 1 the request ledger, 2 the generate stage's monitors."""
+def probe_replies(tx: Transaction, types: Dialect) -> None:
+    """The verify stage's paid probe replies, keyed by the request that bought them
+    (``quanthunt.paid_replies``): a rerun on the same probes uses them instead of buying
+    them again."""
+    run_script(
+        tx,
+        f"""
+        CREATE TABLE probe_replies (
+            request_sha256 TEXT PRIMARY KEY,
+            tag TEXT NOT NULL,
+            probe_id TEXT NOT NULL,
+            reply TEXT NOT NULL,
+            cost_usd {types.real} NOT NULL,
+            run_id TEXT NOT NULL,
+            created_at {types.real} NOT NULL
+        );
+        """,
+    )
+
+
+MIGRATIONS: tuple[Callable[[Transaction, Dialect], None], ...] = (requests_and_attempts, monitors, probe_replies)
+"""A local ledger's, in order: 1 the request ledger, 2 the generate stage's monitors, 3 the
+verify stage's paid probe replies. A shared ledger numbers its own (``ledger_postgres``):
+a migration keeps its number once applied anywhere, so new ones go at the end."""

@@ -105,6 +105,11 @@ class Audit:
     billed them (their cost is not in ``cost_usd``)."""
     served_by: Counter[str] = field(default_factory=Counter)
     cost_usd: float = 0.0
+    """What the replies measured cost, those an earlier run bought included."""
+    reused: int = 0
+    """Replies an earlier run bought with the same request, used again (``quanthunt.paid_replies``)."""
+    reused_cost_usd: float = 0.0
+    """Their part of ``cost_usd``: paid before this run."""
     tokens: int = 0
     attempted: int = 0
     first_round_end: int = 0
@@ -208,8 +213,16 @@ def compare_logprobs(
 
 def accounted(verdict: ProviderVerdict, audit: Audit) -> ProviderVerdict:
     """``verdict`` with its audit's accounting: every completion it could not use, by why,
-    and the requests that timed out after they were sent (possibly billed)."""
-    return verdict.model_copy(update={"unusable": dict(audit.unusable), "possibly_billed": audit.possibly_billed})
+    the requests that timed out after they were sent (possibly billed), and the replies an
+    earlier run had bought."""
+    return verdict.model_copy(
+        update={
+            "unusable": dict(audit.unusable),
+            "possibly_billed": audit.possibly_billed,
+            "reused_replies": audit.reused,
+            "reused_cost_usd": round(audit.reused_cost_usd, 8),
+        }
+    )
 
 
 def summary_values(audit: Audit) -> dict[str, Any]:

@@ -405,6 +405,11 @@ class Verify(_Section):
     refused or got a 408/429/5xx is retried before the stage stops (exit 2, nothing
     written). The reference is the team's own server, free to ask again, and a paid reply
     it could not score is not the provider's failure: it is never counted against one."""
+    reuse_paid_replies_h: float = Field(ge=0, le=8760)
+    """A probe request an earlier run bought at most this many hours ago is answered from
+    the ledger instead of being bought again (``quanthunt.paid_replies``); 0 buys every
+    reply anew. Long enough for reruns after a changed margin or a stopped reference;
+    short enough that an audit a week later measures the providers again."""
 
     @model_validator(mode="after")
     def _rounds(self) -> Verify:

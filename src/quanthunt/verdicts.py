@@ -93,6 +93,11 @@ class ProviderVerdict(_Model):
     served_by: dict[str, int]
     """Serving providers the responses named; anything but this provider is flagged."""
     cost_usd: float = Field(ge=0)
+    """What the replies measured cost, ``reused_cost_usd`` of it paid by an earlier run."""
+    reused_replies: int = Field(default=0, ge=0)
+    """Replies an earlier run bought with the same request, used again
+    (``quanthunt.paid_replies``)."""
+    reused_cost_usd: float = Field(default=0, ge=0)
     mlflow_run_id: str | None = None
 
     def unusable_text(self) -> str:
@@ -137,6 +142,8 @@ class Verdicts(_Model):
     probe_ids: list[str]
     verification_run_id: str | None
     cost_usd: float = Field(ge=0)
+    """What the audit's replies cost, ``reused_cost_usd`` of it paid by earlier runs."""
+    reused_cost_usd: float = Field(default=0, ge=0)
     providers: list[ProviderVerdict]
 
     def eligible(self) -> list[ProviderVerdict]:

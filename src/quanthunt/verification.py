@@ -34,6 +34,7 @@ from quanthunt.congestion import AdaptiveLimit
 from quanthunt.defaults import GATEWAY_TIMEOUT
 from quanthunt.gateway import TRANSIENT, Gateway, GatewayError, Routing, backoff_s, chat_body
 from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, compare_logprobs, rank_z
+from quanthunt.paid_replies import PaidReplies
 from quanthunt.params import Reasoning
 from quanthunt.probes import Design, Probe, probe_seed
 from quanthunt.reference import Reference
@@ -149,6 +150,8 @@ class Auditor:
     limit per endpoint, a bound on the work at the reference, and caches of what every
     provider shares (prompt token ids, reference samples).
 
+    With ``paid``, a probe request an earlier run already bought is answered from the
+    ledger (``quanthunt.paid_replies``) and every reply bought is kept there.
     ``on_cut(tag, before, after)`` hears of every cut of an endpoint's limit."""
 
     def __init__(
@@ -159,9 +162,11 @@ class Auditor:
         *,
         concurrency: int,
         siblings: Sequence[str] = (),
+        paid: PaidReplies | None = None,
         on_cut: Callable[[str, int, int], None] = lambda *_: None,
     ) -> None:
         self.gateway = gateway
+        self.paid = paid
         self.siblings = tuple(siblings)
         """Every endpoint tag the survey listed (a pin on a base slug ignores its variants)."""
         self.reference = reference
@@ -224,7 +229,15 @@ class Auditor:
             routing=Routing().pin(audit.tag, siblings=self.siblings),
             reasoning=d.reasoning.request(),
         )
-        reply = await self.send(body, audit)
+        earlier = self.paid.earlier(body) if self.paid is not None else None
+        if earlier is not None:
+            reply = earlier.reply
+            audit.reused += 1
+            audit.reused_cost_usd += earlier.cost_usd
+        else:
+            reply = await self.send(body, audit)
+            if self.paid is not None:
+                await self.paid.keep(body, tag=audit.tag, probe_id=probe.id, reply=reply)
         audit.served_by[reply.provider or "(not named)"] += 1
         if reply.usage is not None:
             audit.cost_usd += reply.usage.cost or 0.0
