@@ -34,12 +34,16 @@ def test_a_real_vllm_and_an_sglang_flavoured_reference_give_the_sandbox_referenc
     project: Project, vllm: VllmServer
 ) -> None:
     """One audit per reference (three runs of the same params on the same roster): the real
-    vLLM server, then the sandbox's reference as SGLang answers, against the sandbox's own."""
+    vLLM server, then the sandbox's reference as SGLang answers, against the sandbox's own.
+    The second and third audits measure the very replies the first one bought (the ledger
+    keeps them, ``quanthunt.paid_replies``; the gateway is the same roster's): a paired
+    comparison, in which only the reference differs."""
     with_sandbox = audit(project, "sandbox reference (vllm flavour)")
     assert_true_to_the_default_roster(with_sandbox)
 
     project.set_param("reference.base_url", vllm.base_url)
     with_vllm = audit(project, "vLLM reference")
+    assert all(p["reused_replies"] > 0 for p in with_vllm.values()), explained(with_vllm)
     assert outcomes(with_vllm) == outcomes(with_sandbox), explained(with_vllm)
 
     project.set_param("reference.base_url", "sandbox")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sqlite3
 from collections.abc import Callable
 from typing import Any
 
@@ -155,6 +156,18 @@ def test_verify_stops_when_the_reference_stays_down_and_keeps_the_paid_verdicts(
     assert "still failing after 2 s of retries" in line and "of probe replies were bought" in line, line
     assert "Traceback" not in done.stderr and "exception" not in done.stderr.lower(), done.stderr
     assert earlier.read_text() == '{"an earlier, paid audit": true}\n'
+
+    # What was bought before the reference went down is kept in the ledger, and the rerun
+    # (the reference back, here another one) uses it instead of buying it again.
+    with sqlite3.connect(project.root / "state/ledger.sqlite") as db:
+        kept = db.execute("SELECT COUNT(*), SUM(cost_usd) FROM probe_replies").fetchone()
+    assert kept[0] > 0 and "a rerun within verify.reuse_paid_replies_h (24 h) uses them" in line, line
+    project.set_param("reference.base_url", latency_sandbox(roster()).reference_url)
+    again = project.run("verify", "--params", "params.yaml")
+    assert again.returncode == 0, again.stderr
+    verdicts = json.loads(earlier.read_text())
+    assert sum(p["reused_replies"] for p in verdicts["providers"]) == kept[0]
+    assert verdicts["reused_cost_usd"] == pytest.approx(kept[1]) and verdicts["cost_usd"] >= kept[1]
 
 
 def digests(project: Project, *folders: str) -> dict[str, str]:
