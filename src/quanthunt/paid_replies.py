@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -28,16 +27,6 @@ from quanthunt.ledger import Ledger, LedgerWriter, SaveProbeReply
 from quanthunt.replies import ChatReply
 
 _REPLY = TypeAdapter(ChatReply)
-
-
-@dataclass(frozen=True)
-class PaidReply:
-    """A reply bought earlier: what it said, what it cost, the run that bought it and when."""
-
-    reply: ChatReply
-    cost_usd: float
-    run_id: str
-    bought_at: float
 
 
 def request_sha256(gateway: str, body: Mapping[str, Any]) -> str:
@@ -57,12 +46,10 @@ class PaidReplies:
         self.gateway = gateway
         self.run_id = run_id
         self._writer = LedgerWriter(ledger)
-        self._earlier: dict[str, PaidReply] = {}
+        self._earlier: dict[str, tuple[ChatReply, float]] = {}
         if max_age_s > 0:
             rows = ledger.paid_probe_replies(since=time.time() - max_age_s)
-            self._earlier = {
-                key: PaidReply(_REPLY.validate_json(reply), cost, run_id, at) for key, (reply, cost, run_id, at) in rows.items()
-            }
+            self._earlier = {key: (_REPLY.validate_json(reply), cost) for key, (reply, cost, _run, _at) in rows.items()}
 
     async def __aenter__(self) -> PaidReplies:
         self._writer.start()
@@ -71,8 +58,8 @@ class PaidReplies:
     async def __aexit__(self, *exc: object) -> None:
         await self._writer.close()
 
-    def earlier(self, body: Mapping[str, Any]) -> PaidReply | None:
-        """The reply an earlier run bought with exactly this request, if young enough."""
+    def earlier(self, body: Mapping[str, Any]) -> tuple[ChatReply, float] | None:
+        """The reply an earlier run bought with exactly this request, if young enough, and its cost."""
         return self._earlier.get(request_sha256(self.gateway, body))
 
     async def keep(self, body: Mapping[str, Any], *, tag: str, probe_id: str, reply: ChatReply) -> None:

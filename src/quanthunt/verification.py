@@ -26,7 +26,7 @@ import math
 import statistics
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -34,7 +34,6 @@ from quanthunt.congestion import AdaptiveLimit
 from quanthunt.defaults import GATEWAY_TIMEOUT
 from quanthunt.gateway import TRANSIENT, Gateway, GatewayError, Routing, backoff_s, chat_body
 from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, compare_logprobs, rank_z
-from quanthunt.paid_replies import PaidReplies
 from quanthunt.params import Reasoning
 from quanthunt.probes import Design, Probe, probe_seed
 from quanthunt.reference import Reference
@@ -56,6 +55,18 @@ async def with_retries(call: Callable[[], Awaitable[T]], *, attempts: int, error
                 raise
             await asyncio.sleep(backoff_s(exc, attempt))
     raise AssertionError("unreachable")
+
+
+class PaidReplies(Protocol):
+    """Where the probe replies bought are kept (``quanthunt.paid_replies.PaidReplies``, on
+    the ledger: a protocol here, so the stages that only score, generate's monitor among
+    them, do not depend on the ledger's verify tables)."""
+
+    def earlier(self, body: Mapping[str, Any]) -> tuple[ChatReply, float] | None:
+        """The reply an earlier run bought with exactly this request, and its cost."""
+
+    async def keep(self, body: Mapping[str, Any], *, tag: str, probe_id: str, reply: ChatReply) -> None:
+        """Store a reply just bought."""
 
 
 def probe_timeout(request_timeout_s: float) -> httpx.Timeout:
@@ -231,9 +242,9 @@ class Auditor:
         )
         earlier = self.paid.earlier(body) if self.paid is not None else None
         if earlier is not None:
-            reply = earlier.reply
+            reply, cost = earlier
             audit.reused += 1
-            audit.reused_cost_usd += earlier.cost_usd
+            audit.reused_cost_usd += cost
         else:
             reply = await self.send(body, audit)
             if self.paid is not None:
