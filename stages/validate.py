@@ -57,3 +57,5 @@ def main(dataset: str, params_path: Path, *, console: Console | None = None) -> 
         run.log_artifact(files.card)
         run.log_artifact(files.validate_report)
         console.print(f"{dataset}: {checked.metrics['records']} records passed validation -> {files.final}")
+        if (verified := card["verified_sampling"])["differs"]:
+            console.print(f"[yellow]{dataset}: {verified['note']} (the card's verified_sampling)[/]", soft_wrap=True)

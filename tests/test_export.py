@@ -17,7 +17,17 @@ from fixtures.params import SHIPPED, changed
 from fixtures.verdicts import provider_verdict, verdicts_of
 
 from quanthunt.errors import ConfigError
-from quanthunt.export import HEADLINE, check_dataset, failed, final_text, provenance_card, read_inputs, report, sha256_file
+from quanthunt.export import (
+    HEADLINE,
+    check_dataset,
+    failed,
+    final_text,
+    provenance_card,
+    read_inputs,
+    report,
+    sha256_file,
+    verified_sampling,
+)
 from quanthunt.jobs import dataset_params_hash
 from quanthunt.ledger import FinishAttempt, RequestKey, StartAttempt, WriteRecords
 from quanthunt.ledger_sqlite import SqliteLedger
@@ -244,3 +254,23 @@ def test_the_card_says_what_the_final_file_is_and_where_each_record_came_from(tm
     assert card["prompts"]["rendered_by"] == "the-reference" and card["prompts"]["turns_matched"] == 1
     assert card["model"] == PARAMS.survey.model and card["checks"]["passed"] is True
     json.dumps(card)  # written as JSON beside the final file
+
+
+def test_the_card_says_what_the_audit_did_not_verify_of_the_sampling() -> None:
+    """Issue 25 §4: the audit samples at temperature 1, top-p 1; at the shipped 0.7 the card
+    must not let the dataset pass for verified at its own sampling."""
+    providers = [provider_verdict("alpha/int4"), provider_verdict("novita/int4", mode="sample")]
+    warm = verified_sampling(PARAMS, providers)
+    assert warm["audit"] == {"temperature": 1.0, "top_p": 1.0, "max_tokens": PARAMS.verify.probes.max_tokens}
+    assert warm["generation"]["temperature"] == PARAMS.generate.sampling.temperature == 0.7
+    assert warm["differs"] == ["temperature"] and warm["not_monitored"] == ["novita/int4"]
+    assert "Not verified: that each provider applies this temperature and top-p" in warm["note"]
+
+    def sampled_at(temperature: float, top_p: float) -> Params:
+        sampling = changed(PARAMS.generate.sampling, temperature=temperature, top_p=top_p)
+        return PARAMS.model_copy(update={"generate": PARAMS.generate.model_copy(update={"sampling": sampling})})
+
+    nucleus = verified_sampling(sampled_at(1.0, 0.9), providers)
+    assert nucleus["differs"] == ["top_p"] and "top-p 0.9" in nucleus["note"]
+    raw = verified_sampling(sampled_at(1.0, 1.0), providers)
+    assert raw["differs"] == [] and raw["not_monitored"] == [] and "Not verified" not in raw["note"]

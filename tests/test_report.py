@@ -26,6 +26,7 @@ from quanthunt.report import (
     cost_rows,
     csv_text,
     json_lines,
+    monitor_section,
     overview_section,
     render,
     served,
@@ -286,6 +287,17 @@ def test_sections_with_nothing_to_show_say_what_is_missing() -> None:
     assert served_section([], VERDICTS, [], PROVIDERS) == "<p>No generated records yet.</p>"
     assert budget_section(None, VERDICTS, DATASETS, PROVIDERS) == "<p>No budget plan found (run the survey stage).</p>"
     assert overview_section(verdicts_of(), MARGIN) == "<p>No provider was audited.</p>"
+
+
+def test_the_monitoring_section_says_what_the_audit_did_not_verify_of_each_datasets_sampling() -> None:
+    note = "the audit verified each provider at temperature 1, top-p 1 (the raw distribution); <b>not</b> at 0.7"
+    warm = {"verified_sampling": {"differs": ["temperature"], "note": note}}
+    raw = {"verified_sampling": {"differs": [], "note": "generation samples the distribution the audit verified"}}
+    datasets = [DatasetView(n, [], card, None) for n, card in (("chat", warm), ("code", warm), ("math", raw), ("x", None))]
+    section = monitor_section(datasets)
+    assert section.count("class='caveat'") == 1 and "<b>chat, code</b>" in section
+    assert "&lt;b&gt;not&lt;/b&gt; at 0.7" in section and "generation samples the distribution" not in section
+    assert "caveat" not in monitor_section(datasets[2:])
 
 
 def test_the_overview_shows_each_logprob_effect_as_tested_and_unclipped() -> None:

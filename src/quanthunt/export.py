@@ -12,7 +12,7 @@ Usage (``stages/validate.py``)::
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,6 +183,7 @@ def provenance_card(
         "reference_model": inputs.verdicts.reference_model,
         "providers": _providers(inputs, m["endpoints"]),
         "sampling": params.generate.sampling.model_dump(mode="json"),
+        "verified_sampling": verified_sampling(params, [v for t, v in inputs.eligible.items() if m["endpoints"].get(t)]),
         "params_sha256": {
             "generation": inputs.params_hash,
             "validate": section_digest(params.validate_),
@@ -219,6 +220,34 @@ def provenance_card(
             "ledger_cost_usd": m["ledger_cost_usd"],
         },
     }
+
+
+def verified_sampling(params: Params, eligible: Iterable[ProviderVerdict]) -> dict[str, Any]:
+    """What the audit verified of the sampling the dataset was generated with, said plainly.
+
+    The audit samples the raw distribution (temperature 1, top-p 1: the only setting at
+    which its sampler test can compare sampled tokens with the reference's distribution).
+    Generation at another temperature or top-p is then verified only in what does not
+    depend on them: the weights' precision (logprob mode, and the generate stage's monitor
+    keeps comparing the providers' logprobs); that each provider applies the temperature
+    and top-p as the reference does was not measured, and a sample-mode provider is not
+    monitored at all (its rank test needs the raw distribution)."""
+    probes, sampling = params.verify.probes, params.generate.sampling
+    audit = {"temperature": probes.temperature, "top_p": 1.0, "max_tokens": probes.max_tokens}
+    generation = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
+    differs = [k for k in ("temperature", "top_p") if audit[k] != generation[k]]
+    unmonitored = sorted(v.tag for v in eligible if v.mode == "sample") if differs else []
+    if not differs:
+        note = "generation samples the distribution the audit verified (temperature 1, top-p 1)"
+    else:
+        note = (
+            f"the audit verified each provider at temperature {probes.temperature:g}, top-p 1 (the raw distribution); "
+            f"generation samples at temperature {sampling.temperature:g}, top-p {sampling.top_p:g}. Verified: the "
+            "weights' precision (and, in logprob mode, the monitor compares every monitored reply's logprobs). "
+            "Not verified: that each provider applies this temperature and top-p as the reference does"
+            + (f"; not monitored (sample mode needs the raw distribution): {', '.join(unmonitored)}" if unmonitored else "")
+        )
+    return {"audit": audit, "generation": generation, "differs": differs, "not_monitored": unmonitored, "note": note}
 
 
 def _providers(inputs: Inputs, served: Mapping[str, int]) -> list[dict[str, Any]]:

@@ -239,10 +239,24 @@ def monitor_section(datasets: Sequence[DatasetView]) -> str:
             threshold = f"{m['threshold']:.3g}" if m["threshold"] is not None else ""
             stopped = "no" if stop is None else f"at reply {stop['at']} ({stop['test']})"
             rows.append([d.name, tag, m["replies"], e_value, threshold, stopped, quarantined.get(tag, 0)])
+    caveats = sampling_caveats(datasets)
     if not rows:
-        return "<p>No monitored generation yet.</p>"
+        return "<p>No monitored generation yet.</p>" + caveats
     table = _table(["dataset", "provider", "monitored replies", "e-value", "stops at", "stopped", "records quarantined"], rows)
-    return table + "".join(parts)
+    return table + caveats + "".join(parts)
+
+
+def sampling_caveats(datasets: Sequence[DatasetView]) -> str:
+    """What the audit did not verify of the sampling each dataset was generated with (the
+    card's ``verified_sampling``), one paragraph per distinct note with its datasets."""
+    by_note: dict[str, list[str]] = {}
+    for d in datasets:
+        verified = (d.card or {}).get("verified_sampling") or {}
+        if verified.get("differs"):
+            by_note.setdefault(verified["note"], []).append(d.name)
+    return "".join(
+        f"<p class='caveat'><b>{html.escape(', '.join(names))}</b>: {html.escape(note)}.</p>" for note, names in by_note.items()
+    )
 
 
 def survey_section(providers: Sequence[ProviderRow], verdicts: Verdicts, by_tag: Mapping[str, Served]) -> str:
