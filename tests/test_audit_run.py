@@ -18,6 +18,7 @@ from quanthunt.audit_run import metrics, plan, render_report, show, subjects_to_
 from quanthunt.errors import ConfigError
 from quanthunt.params import Params
 from quanthunt.survey import CANDIDATE, ProviderRow, providers_csv
+from quanthunt.verdicts import Calibration
 
 
 def surveyed(name: str, reason: str = CANDIDATE, *, usd_per_m: tuple[float, float] = (0.5, 2.0), logprobs: bool = True,
@@ -194,3 +195,20 @@ def test_the_html_report_has_a_row_per_provider_classed_by_its_verdict() -> None
         assert f"<tr class='{verdict.verdict}'><td>{verdict.provider}<br><small>{verdict.tag}</small>" in page
     assert "unusable: no_logprobs ×2, timeout ×1" in page and "1 timed out, possibly billed" in page
     assert "total probe cost $0.00500" in page and "<figure>" not in page
+
+
+def test_verify_says_when_its_margins_were_not_measured_for_the_model_audited() -> None:
+    kimi = verdicts_of(*VERDICTS.providers, calibration=Calibration.of("moonshotai/kimi-k2.5").model_dump())
+    console = Console(record=True, width=2000)
+    show(kimi, console)
+    assert (
+        "verify: verify.margin and the mixture detection rates are not measured for moonshotai/kimi-k2.5" in console.export_text()
+    )
+    assert "<p class='caveat'>Calibration: verify.margin and the mixture detection rates are not measured" in render_report(
+        kimi, {}
+    )
+    own = verdicts_of(*VERDICTS.providers, calibration=Calibration.of(SHIPPED.survey.model).model_dump())
+    console = Console(record=True, width=2000)
+    show(own, console)
+    assert "Calibration" not in console.export_text() and "not measured" not in console.export_text()
+    assert "<p class='measured'>Calibration: the shipped verify.margin" in render_report(own, {})

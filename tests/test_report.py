@@ -35,7 +35,7 @@ from quanthunt.report import (
     verification_rows,
 )
 from quanthunt.survey import ProviderRow, plan_budget, price_scenario
-from quanthunt.verdicts import Estimate
+from quanthunt.verdicts import Calibration, Estimate
 from quanthunt.verdicts import TestResult as HypothesisTest  # not a pytest class
 
 MARGIN, POLICY = SHIPPED.verify.margin, SHIPPED.verify.decision
@@ -298,6 +298,16 @@ def test_the_monitoring_section_says_what_the_audit_did_not_verify_of_each_datas
     assert section.count("class='caveat'") == 1 and "<b>chat, code</b>" in section
     assert "&lt;b&gt;not&lt;/b&gt; at 0.7" in section and "generation samples the distribution" not in section
     assert "caveat" not in monitor_section(datasets[2:])
+
+
+def test_the_overview_says_what_the_margins_were_measured_on() -> None:
+    providers = [provider_verdict("a/int4")]
+    kimi = verdicts_of(*providers, model="moonshotai/kimi-k2.5", calibration=Calibration.of("moonshotai/kimi-k2.5").model_dump())
+    assert (
+        "<p class='caveat'>Calibration: verify.margin and the mixture detection rates are not measured for moonshotai/kimi-k2.5"
+        in (overview_section(kimi, MARGIN))
+    )
+    assert "Calibration: not recorded" in overview_section(verdicts_of(*providers), MARGIN)
 
 
 def test_the_overview_shows_each_logprob_effect_as_tested_and_unclipped() -> None:

@@ -18,7 +18,7 @@ from fixtures.verdicts import provider_verdict, verdicts_of
 from pydantic import ValidationError
 
 from quanthunt.errors import ConfigError
-from quanthunt.verdicts import Estimate, Observed, Verdict, load_verdicts
+from quanthunt.verdicts import Calibration, Estimate, Observed, Verdict, Verdicts, load_verdicts
 from quanthunt.verdicts import TestResult as HypothesisTest  # not a pytest class
 
 MARGIN = SHIPPED.verify.margin
@@ -160,3 +160,17 @@ def test_the_unclipped_logprob_effect_alone_is_not_the_measured_precision() -> N
     """The sequential test bets on the clipped mean; the raw mean is reported elsewhere."""
     raw = {"mean_abs_dlogprob": Estimate(value=0.5, ci_low=0.4, ci_high=0.6)}
     assert provider_verdict("alpha/int4", effects=raw).measured_precision(MARGIN) == "equivalent: nothing measured"
+
+
+def test_verdicts_on_another_model_than_the_calibration_say_their_figures_are_assumed() -> None:
+    """Issue 25: the shipped margins and detection rates were measured on the sandbox's
+    SmolLM2 only; a verdict on the team's own model must not pass them off as measured."""
+    own = Calibration.of("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert own.measured_for_model and own.measured_on == own.model.lower() and "were measured on this model" in own.note
+    kimi = Calibration.of("moonshotai/kimi-k2.5")
+    assert not kimi.measured_for_model and kimi.model == "moonshotai/kimi-k2.5"
+    assert "not measured for moonshotai/kimi-k2.5" in kimi.note and "assumed for it, not established" in kimi.note
+    assert own.measured_on in kimi.note
+    written = verdicts_of(provider_verdict("a/int4"), calibration=kimi.model_dump())
+    assert Verdicts.model_validate_json(written.model_dump_json()).calibration == kimi
+    assert verdicts_of(provider_verdict("a/int4")).calibration is None  # a file from before it was recorded

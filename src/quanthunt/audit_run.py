@@ -29,7 +29,7 @@ from quanthunt.prompts import load_prompts
 from quanthunt.reference import Reference, ReferenceDown
 from quanthunt.survey import CANDIDATE, ProviderRow, probe_cost, read_providers
 from quanthunt.tracking import StageRun
-from quanthunt.verdicts import ProviderVerdict, Verdicts
+from quanthunt.verdicts import Calibration, ProviderVerdict, Verdicts
 from quanthunt.verification import Auditor, probe_limits, probe_timeout
 
 
@@ -163,9 +163,17 @@ sequential audit (testing by betting: the verdicts hold however many rounds were
 {len(verdicts.probe_ids)} probe prompts, total probe cost ${verdicts.cost_usd:.5f}{_reused_html(verdicts)}.
 MLflow run {verdicts.verification_run_id}.
 Tests marked baseline are the fixed-sample tests on the first round, reported for comparison; they decide nothing.</p>
+{_calibration_html(verdicts)}
 <table><tr><th>provider</th><th>declares</th><th>mode</th><th>verdict</th><th>effects [95% CI]</th><th>tests</th><th>power</th>
 <th>audit</th><th>cost</th></tr>{"".join(rows)}</table>{plots}</body></html>
 """
+
+
+def _calibration_html(verdicts: Verdicts) -> str:
+    c = verdicts.calibration
+    if c is None:
+        return ""
+    return f"<p class='{'measured' if c.measured_for_model else 'caveat'}'>Calibration: {html.escape(c.note)}.</p>"
 
 
 def _reused_html(verdicts: Verdicts) -> str:
@@ -194,6 +202,8 @@ def show(verdicts: Verdicts, console: Console) -> None:
             notes.append(f"{v.possibly_billed} requests timed out after they were sent (retried; they may have been billed)")
         if notes:
             console.print(f"verify: {v.tag}: " + "; ".join(notes), soft_wrap=True)
+    if verdicts.calibration is not None and not verdicts.calibration.measured_for_model:
+        console.print(f"[yellow]verify: {verdicts.calibration.note}[/]", soft_wrap=True)
 
 
 def log_provider_runs(run: StageRun, verdicts: list[ProviderVerdict], margin: Margins) -> list[ProviderVerdict]:
@@ -253,6 +263,7 @@ def decide(
         verification_run_id=run.run_id,
         cost_usd=round(sum(a.cost_usd for a in audits), 8),
         reused_cost_usd=round(sum(a.reused_cost_usd for a in audits), 8),
+        calibration=Calibration.of(params.survey.model),
         providers=decided,
     )
     return Verdicts.model_validate(verdicts.model_dump())

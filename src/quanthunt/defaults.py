@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import httpx
 
+SANDBOX_MODEL = "huggingfacetb/smollm2-135m-instruct"
+"""The sandbox's model, and the one model the shipped ``verify.margin`` and mixture detection
+rates were measured on (``benchmarks/verify_power.py`` on the sandbox's pools)."""
 SANDBOX_HOST = "127.0.0.1"
 SANDBOX_PORT = 8765
 SANDBOX_MAX_BATCH = 32

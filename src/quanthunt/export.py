@@ -183,6 +183,7 @@ def provenance_card(
         "reference_model": inputs.verdicts.reference_model,
         "providers": _providers(inputs, m["endpoints"]),
         "sampling": params.generate.sampling.model_dump(mode="json"),
+        "calibration": inputs.verdicts.calibration.model_dump() if inputs.verdicts.calibration else None,
         "verified_sampling": verified_sampling(params, [v for t, v in inputs.eligible.items() if m["endpoints"].get(t)]),
         "params_sha256": {
             "generation": inputs.params_hash,

@@ -316,7 +316,14 @@ def overview_section(verdicts: Verdicts, margin: Margins) -> str:
     headers = ["provider", "tag", "verdict", "mode", "completions", "mean Φ(rank z) [95% CI]",
                f"mean |Δ logprob| as tested, clipped at {margin.tail_dlogprob:g} [95% CI]",
                "mean |Δ logprob| unclipped [95% CI]", "why"]  # fmt: skip
-    return _img(overview_figure(verdicts, margin), caption) + _table(headers, rows, [v.verdict for v in verdicts.providers])
+    table = _table(headers, rows, [v.verdict for v in verdicts.providers])
+    calibration = verdicts.calibration
+    if calibration is None:
+        note = "<p class='caveat'>Calibration: not recorded (verdicts from before quanthunt recorded it).</p>"
+    else:
+        kind = "measured" if calibration.measured_for_model else "caveat"
+        note = f"<p class='{kind}'>Calibration: {html.escape(calibration.note)}.</p>"
+    return _img(overview_figure(verdicts, margin), caption) + note + table
 
 
 def served_section(

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quanthunt.config_files import field_path, one_line
+from quanthunt.defaults import SANDBOX_MODEL
 from quanthunt.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -130,6 +131,39 @@ class ProviderVerdict(_Model):
         return f"{self.verdict}: " + ("; ".join(parts) if parts else "nothing measured")
 
 
+class Calibration(_Model):
+    """What the margins and mixture detection rates the verdicts rest on were measured on.
+
+    The shipped values were measured on the sandbox's SmolLM2-135M-Instruct only; a team's
+    own model (Kimi K2.5 on their GPUs) has other faithful noise, and until quanthunt can
+    calibrate on their deployment, every verdict on another model says so rather than
+    passing its error rates and power off as measured (issue 25)."""
+
+    measured_on: str
+    """The model the shipped values were measured on."""
+    model: str
+    """The model audited."""
+    measured_for_model: bool
+    note: str
+
+    @classmethod
+    def of(cls, model: str) -> Calibration:
+        measured = model.lower() == SANDBOX_MODEL
+        if measured:
+            note = (
+                f"the shipped verify.margin and mixture detection rates were measured on this model ({SANDBOX_MODEL}, "
+                "the sandbox's pools: benchmarks/verify_power.py)"
+            )
+        else:
+            note = (
+                f"verify.margin and the mixture detection rates are not measured for {model}: the shipped values were "
+                f"measured on {SANDBOX_MODEL} (the sandbox's pools: benchmarks/verify_power.py), and a faithful "
+                f"deployment of {model} may have other noise, so the error rates and the mixture power printed are "
+                "assumed for it, not established (quanthunt cannot yet calibrate them on your deployment)"
+            )
+        return cls(measured_on=SANDBOX_MODEL, model=model, measured_for_model=measured, note=note)
+
+
 class Verdicts(_Model):
     """The whole file."""
 
@@ -144,6 +178,8 @@ class Verdicts(_Model):
     cost_usd: float = Field(ge=0)
     """What the audit's replies cost, ``reused_cost_usd`` of it paid by earlier runs."""
     reused_cost_usd: float = Field(default=0, ge=0)
+    calibration: Calibration | None = None
+    """What the margins and detection rates were measured on (None: a file from before it was recorded)."""
     providers: list[ProviderVerdict]
 
     def eligible(self) -> list[ProviderVerdict]:

@@ -46,6 +46,7 @@ def test_final_file_and_card(validated: GenerationBed) -> None:
     assert card["prompts"]["match_share"] == 1.0 and card["prompts"]["turns"] == card["turns"] == turns > 12
     assert card["removed"]["turns"] == 0
     # Generated at the shipped temperature 0.7, audited at 1: the card says what that leaves unverified.
+    assert card["calibration"]["measured_for_model"] is True
     verified = card["verified_sampling"]
     assert verified["generation"]["temperature"] == 0.7 and verified["differs"] == ["temperature"], verified
     assert verified["note"].startswith("the audit verified each provider at temperature 1, top-p 1")

@@ -62,6 +62,7 @@ def test_verdicts_match_the_roster_and_repeat(small: Project) -> None:
     assert len(verdicts["probe_ids"]) == 8 * max(p["rounds"] for p in verdicts["providers"])
     assert novita["completions"] == len(novita["e_path"]) and novita["power"]["mixture"] >= 0.95
     assert verdicts["cost_usd"] == pytest.approx(sum(p["cost_usd"] for p in verdicts["providers"]))
+    assert verdicts["calibration"]["measured_for_model"] is True  # the sandbox's model: the margins' own
     for provider in verdicts["providers"]:
         assert provider["mlflow_run_id"]
         # Every completion asked for is measured or reported unusable with its reason (a

@@ -18,6 +18,7 @@ from typing import Annotated, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quanthunt.config_files import parse_yaml, read_text, validated
+from quanthunt.defaults import SANDBOX_MODEL
 from quanthunt.errors import ConfigError
 from quanthunt.spec import ENDPOINT_STATUSES, Quantization, check_price
 
@@ -342,7 +343,7 @@ class Thinking(_Strict):
 class ModelInfo(_Strict):
     """The one model every roster provider serves."""
 
-    id: str = Field(default="huggingfacetb/smollm2-135m-instruct", pattern=r"^[a-z0-9._-]+/[a-z0-9._:-]+$")
+    id: str = Field(default=SANDBOX_MODEL, pattern=r"^[a-z0-9._-]+/[a-z0-9._:-]+$")
     name: str = "SmolLM2 135M Instruct (quanthunt sandbox)"
     description: str = "SmolLM2-135M-Instruct served by the quanthunt sandbox at several real precisions."
     context_length: int = Field(default=8192, ge=16)
