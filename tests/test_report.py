@@ -320,9 +320,11 @@ def test_the_overview_shows_each_logprob_effect_as_tested_and_unclipped() -> Non
         })
         for tag, value in (("nv/nvfp4", 0.61), ("mx/fp4", 1.37))
     ]  # fmt: skip
+    coarse = [v.model_copy(update={"e_value": 1.18e34}) for v in coarse]
     html = overview_section(verdicts_of(*coarse), MARGIN)
     rows = [cells for _, cells in Page(html).rows[""]]
     assert [row[6:8] for row in rows] == [["0.25 [0.25, 0.25]", "0.61 [0.51, 0.71]"], ["0.25 [0.25, 0.25]", "1.37 [1.27, 1.47]"]]
+    assert [row[8] for row in rows] == ["34.1", "34.1"]  # the e-value tells them apart no better than clipped
     assert f"clipped at {MARGIN.tail_dlogprob:g}" in html and "unclipped" in html
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -307,6 +308,7 @@ def overview_section(verdicts: Verdicts, margin: Margins) -> str:
             _estimate(sampler_effect(v)),
             _estimate(logprob_effect(v)) if v.mode == "logprob" else "—",
             _estimate(v.effects.get("mean_abs_dlogprob")) if v.mode == "logprob" else "—",
+            f"{math.log10(v.e_value):.1f}" if v.e_value > 0 else "−∞",
             v.reason,
         ]
         for v in verdicts.providers
@@ -315,7 +317,7 @@ def overview_section(verdicts: Verdicts, margin: Margins) -> str:
     # the same (0.25); unclipped, how far off each one is can be told apart.
     headers = ["provider", "tag", "verdict", "mode", "completions", "mean Φ(rank z) [95% CI]",
                f"mean |Δ logprob| as tested, clipped at {margin.tail_dlogprob:g} [95% CI]",
-               "mean |Δ logprob| unclipped [95% CI]", "why"]  # fmt: skip
+               "mean |Δ logprob| unclipped [95% CI]", "log10 e-value (largest)", "why"]  # fmt: skip
     table = _table(headers, rows, [v.verdict for v in verdicts.providers])
     calibration = verdicts.calibration
     if calibration is None:
