@@ -17,6 +17,7 @@ from quanthunt.ledger import (
     Ledger,
     LedgerWriter,
     NoteGenerationIds,
+    ReplaceRecords,
     RequestKey,
     SaveMonitor,
     SaveProbeReply,
@@ -146,7 +147,7 @@ def test_reopening_keeps_everything_and_applies_no_migration_twice(ledger: Ledge
     again = open_ledger("sqlite:///state/ledger.sqlite", tmp_path)
     try:
         assert again.query("SELECT version FROM schema_migrations ORDER BY version") == versions
-        assert versions == ([(1,), (2,), (3,)] if isinstance(ledger, SqliteLedger) else [(1,), (2,), (3,), (4,)])
+        assert versions == [(v,) for v in range(1, 5 if isinstance(ledger, SqliteLedger) else 6)]
         assert again.query("SELECT id FROM attempts") == [(attempt,)]
     finally:
         again.close()
@@ -164,23 +165,43 @@ def test_paid_probe_replies_are_kept_by_request_and_read_back_by_age(ledger: Led
     assert ledger.paid_probe_replies(since=time.time() + 60) == {}
 
 
-def test_an_older_ledger_gains_the_probe_replies_table_and_nothing_is_applied_twice(ledger: Ledger, tmp_path: Path) -> None:
-    """A ledger made before the verify stage kept its replies (SQLite at version 2, a shared
-    ledger at 3): reopened, it gets the new table under the next number, and a shared
-    ledger's own migration is not run again (it would fail: its tables exist)."""
+def test_an_older_ledger_gains_the_new_tables_and_nothing_is_applied_twice(ledger: Ledger, tmp_path: Path) -> None:
+    """A ledger made before verify kept its replies (SQLite at version 2, a shared ledger
+    at 3): reopened, it gets the new tables under the next numbers, and a shared ledger's
+    own migration is not run again (it would fail: its tables exist)."""
     attempt = ledger.write(StartAttempt(key("a"), "r", 0.1))
-    last = 3 if isinstance(ledger, SqliteLedger) else 4
+    first_new = 3 if isinstance(ledger, SqliteLedger) else 4
     with ledger.transaction() as tx:
         tx.execute("DROP TABLE probe_replies")
-        tx.execute("DELETE FROM schema_migrations WHERE version=?", (last,))
+        tx.execute("DROP TABLE replaced_records")
+        tx.execute("DELETE FROM schema_migrations WHERE version>=?", (first_new,))
     again = open_ledger("sqlite:///state/ledger.sqlite", tmp_path)
     try:
-        assert again.query("SELECT MAX(version) FROM schema_migrations") == [(last,)]
+        assert again.query("SELECT MAX(version) FROM schema_migrations") == [(first_new + 1,)]
         again.write(SaveProbeReply("k", "a/int4", "chat:1", "{}", 0.001, "run"))
         assert set(again.paid_probe_replies(since=0)) == {"k"}
+        assert again.replaced("chat", HASH) == []
         assert again.query("SELECT id FROM attempts") == [(attempt,)]
     finally:
         again.close()
+
+
+def test_a_record_set_aside_keeps_its_line_and_its_turns_before_the_first_made_again(ledger: Ledger) -> None:
+    """Refill (a provider re-verified different): the record's line moves to
+    replaced_records, its turns from the first bad one are no longer done (not reused), and
+    the turns before it stay done for the run that makes the record again."""
+    for turn in (0, 1, 2):
+        attempt = ledger.write(StartAttempt(key("a", turn), "r", 0.1))
+        ledger.write(finish(key("a", turn), attempt, 0.01, reply=f'{{"turn": {turn}}}'))
+    ledger.write(WriteRecords("chat", HASH, [("a", '{"id": "a"}', "sha-a"), ("b", '{"id": "b"}', "sha-b")]))
+    ledger.write(ReplaceRecords("chat", HASH, [("a", 1, "beta/int4 re-verified different")]))
+    assert set(ledger.done_records("chat", HASH)) == {"b"}
+    ((record, line, turn, why, at),) = ledger.replaced("chat", HASH)
+    assert (record, line, turn, why) == ("a", '{"id": "a"}', 1, "beta/int4 re-verified different") and at > 0
+    assert set(ledger.done_turns("chat", HASH)) == {("a", 0)}
+    assert ledger.record_costs("chat", HASH) == {"a": pytest.approx(0.03)}  # every attempt stays counted
+    ledger.write(ReplaceRecords("chat", HASH, [("a", 1, "again")]))  # set aside twice (a crash between): kept once
+    assert len(ledger.replaced("chat", HASH)) == 1
 
 
 def test_a_ledger_url_is_checked_and_the_environment_comes_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

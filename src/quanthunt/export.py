@@ -12,8 +12,9 @@ Usage (``stages/validate.py``)::
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,8 @@ class Inputs:
     spend: Spend
     """Every attempt of the dataset at these sampling params, by billing (the ledger's)."""
     monitors: dict[tuple[str, str], dict[str, Any]]
+    replaced: list[tuple[str, str, int, str, float]] = field(default_factory=list)
+    """Records generate set aside and made again (``Ledger.replaced``)."""
 
 
 def read_inputs(params: Params, root: Path, dataset: str) -> Inputs:
@@ -78,6 +81,7 @@ def read_inputs(params: Params, root: Path, dataset: str) -> Inputs:
         costs = ledger.record_costs(dataset, hashed)
         spend = ledger.spend(dataset=dataset, params_hash=hashed)
         monitors = ledger.monitor_states(verdicts.verification_run_id or UNLOGGED)
+        replaced = ledger.replaced(dataset, hashed)
     finally:
         ledger.close()
     export = schemas.frame(
@@ -98,6 +102,7 @@ def read_inputs(params: Params, root: Path, dataset: str) -> Inputs:
         costs=costs,
         spend=spend,
         monitors=monitors,
+        replaced=replaced,
     )
 
 
@@ -210,6 +215,7 @@ def provenance_card(
             "why": "a turn that did not finish is never exported as complete (trainers append the end-of-turn token)",
         },
         "prompts": prompts.card(),
+        "replaced": replaced_card(inputs),
         "quarantined": {
             "records": m["records_quarantined"],
             "by_provider": m["quarantined_by_provider"],
@@ -220,6 +226,24 @@ def provenance_card(
             **{k: m[k] for k in ("truncated_share", "near_duplicate_share", "finish_reasons", "mean_answer_chars")},
             "ledger_cost_usd": m["ledger_cost_usd"],
         },
+    }
+
+
+def replaced_card(inputs: Inputs) -> dict[str, Any]:
+    """The records generate made again because a provider was found bad after it served
+    them (``quanthunt.refill``): how many, whose turns, why, and where each line is kept."""
+    by_provider: dict[str, int] = {}
+    for _, line, from_turn, _, _ in inputs.replaced:
+        turns = json.loads(line)["provenance"]["turns"]
+        tag = str(turns[from_turn]["endpoint_tag"]) if from_turn < len(turns) else "(unknown)"
+        by_provider[tag] = by_provider.get(tag, 0) + 1
+    return {
+        "records": len(inputs.replaced),
+        "by_provider": by_provider,
+        "reasons": sorted({why for _, _, _, why, _ in inputs.replaced}),
+        "kept_in": ["the ledger's replaced_records", str(inputs.files.set_aside(inputs.params_hash))],
+        "why": "made again from the providers still eligible from their first bad turn on; each line as it was is kept, "
+        "and what it cost counts in the record made again",
     }
 
 

@@ -28,12 +28,21 @@ from quanthunt.interrupts import StopSignals
 from quanthunt.jobs import Eligible, Job, Progress, dataset_params_hash
 from quanthunt.ledger import LedgerWriter, open_ledger
 from quanthunt.ledger_postgres import PostgresLedger
-from quanthunt.monitoring import LOGPROB_TOP, UNLOGGED, Monitoring, check_reference, monitors_for, stopped_providers
+from quanthunt.monitoring import (
+    LOGPROB_TOP,
+    UNLOGGED,
+    Monitoring,
+    check_reference,
+    monitors_for,
+    stopped_providers,
+    suspect_checkpoints,
+)
 from quanthunt.params import Params
 from quanthunt.prompts import PromptRecord, iter_prompts
 from quanthunt.reconciliation import reconcile_earlier
 from quanthunt.records import RecordSink, adopt_published, prepare_output
 from quanthunt.reference import Reference
+from quanthunt.refill import bad_endpoints, describe, set_aside, to_replace
 from quanthunt.survey import read_providers
 from quanthunt.tracking import StageRun
 from quanthunt.verdicts import Verdicts, load_verdicts
@@ -139,7 +148,17 @@ async def run(
     )
     files = paths.of(root, dataset)
     prompts = files.prompts
+    bad = bad_endpoints(verdicts)
+    suspect = suspect_checkpoints(ledger.monitor_states(verdicts.verification_run_id or UNLOGGED), dataset)
     if isinstance(ledger, PostgresLedger):
+        written = [line for _, line in ledger.done_records(dataset, params_hash).values()]
+        if replacements := to_replace(written, bad=bad, suspect=suspect):
+            ledger.close()
+            raise ConfigError(
+                f"{dataset}: {describe(replacements)} were served by providers found bad since "
+                f"({replacements[0].why}); making them again is built for a local ledger only so far (until then "
+                "validate refuses or quarantines them)"
+            )
         try:
             return await coordinate(params, root, job, limited(prompts, g.max_records, frozenset()), targets=targets,
                                     console=console, ledger=ledger, total=total)  # fmt: skip
@@ -155,6 +174,17 @@ async def run(
             f"(counted as possibly billed); cut {repair.truncated_bytes} bytes of a half-written line; adopted "
             f"{repair.adopted} and restored {repair.restored} records"
         )
+    written = output.read_text(encoding="utf-8").splitlines() if output.exists() else []
+    replacements = to_replace(written, bad=bad, suspect=suspect)
+    set_aside(ledger, output, files.set_aside(params_hash), dataset=dataset, params_hash=params_hash,
+              replacements=replacements)  # fmt: skip
+    if replacements:
+        console.print(
+            f"[yellow]refill: {describe(replacements)} made again from the providers still eligible "
+            f"({replacements[0].why}); each line as it was is kept in {files.set_aside(params_hash)} and the ledger[/]",
+            soft_wrap=True,
+        )
+    done_ids = repair.done_ids - {r.record_id for r in replacements}
     if repair.edited:
         example = repair.edited[0]
         console.print(
@@ -188,9 +218,9 @@ async def run(
             engine = Engine(job, chat, ledger, writer, sink, done_turns=ledger.done_turns(dataset, params_hash),
                             monitoring=monitoring)  # fmt: skip
             engine.progress.records_total = total
-            engine.progress.records_done_before = len(repair.done_ids)
+            engine.progress.records_done_before = len(done_ids)
             engine.progress.output_tokens_before = ledger.output_tokens(dataset, params_hash)
-            records = limited(prompts, g.max_records, repair.done_ids)
+            records = limited(prompts, g.max_records, done_ids)
             display = asyncio.ensure_future(show_progress(engine, job, console, g.progress_interval_s))
             work = asyncio.ensure_future(engine.run(records))
             try:

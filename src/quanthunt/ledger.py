@@ -179,8 +179,23 @@ class SaveProbeReply:
     run_id: str
 
 
-Operation = StartAttempt | FinishAttempt | WriteRecords | SaveMonitor | NoteGenerationIds | SaveProbeReply
-KINDS: tuple[type, ...] = (NoteGenerationIds, StartAttempt, FinishAttempt, WriteRecords, SaveMonitor, SaveProbeReply)
+@dataclass(frozen=True)
+class ReplaceRecords:
+    """Set written records aside to make them again (``quanthunt.refill``): each line moves
+    to ``replaced_records`` (kept, never deleted), and its turns from ``from_turn`` on are
+    no longer done (``quarantined``: their replies are not reused); the turns before it
+    stay done, so a resumed run reuses them."""
+
+    dataset: str
+    params_hash: str
+    records: Sequence[tuple[str, int, str]]
+    """(record id, first turn to make again, why) each."""
+
+
+Operation = StartAttempt | FinishAttempt | WriteRecords | SaveMonitor | NoteGenerationIds | SaveProbeReply | ReplaceRecords
+KINDS: tuple[type, ...] = (
+    NoteGenerationIds, StartAttempt, FinishAttempt, WriteRecords, SaveMonitor, SaveProbeReply, ReplaceRecords,
+)  # fmt: skip
 """The order in which a commit applies each kind's batch."""
 
 
@@ -295,6 +310,9 @@ class Ledger(abc.ABC):
                 self._save_monitor(tx, op, now)
         elif kind is NoteGenerationIds:
             tx.executemany("UPDATE attempts SET generation_id=? WHERE id=?", [(g, a) for op in ops for a, g in op.notes])
+        elif kind is ReplaceRecords:
+            for op in ops:
+                self._replace_records(tx, op, now)
         elif kind is SaveProbeReply:
             tx.executemany(
                 """INSERT INTO probe_replies VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_sha256)
@@ -303,6 +321,24 @@ class Ledger(abc.ABC):
                 [(op.request_sha256, op.tag, op.probe_id, op.reply, op.cost_usd, op.run_id, now) for op in ops],
             )
         return [None] * len(ops)
+
+    @staticmethod
+    def _replace_records(tx: Transaction, op: ReplaceRecords, now: float) -> None:
+        for record_id, from_turn, why in op.records:
+            key = (op.dataset, record_id, op.params_hash)
+            tx.execute(
+                """INSERT INTO replaced_records
+                   SELECT dataset, record_id, params_hash, line_sha256, line, ?, ?, ? FROM records
+                   WHERE dataset=? AND record_id=? AND params_hash=?
+                   ON CONFLICT (dataset, record_id, params_hash, line_sha256) DO NOTHING""",
+                (from_turn, why, now, *key),
+            )
+            tx.execute("DELETE FROM records WHERE dataset=? AND record_id=? AND params_hash=?", key)
+            tx.execute(
+                """UPDATE requests SET state='quarantined', updated_at=?
+                   WHERE dataset=? AND record_id=? AND params_hash=? AND turn>=? AND state='done'""",
+                (now, *key, from_turn),
+            )
 
     @staticmethod
     def _save_monitor(tx: Transaction, op: SaveMonitor, now: float) -> None:
@@ -355,6 +391,16 @@ class Ledger(abc.ABC):
             "SELECT request_sha256, reply, cost_usd, run_id, created_at FROM probe_replies WHERE created_at >= ?", (since,)
         )
         return {key: (reply, float(cost), run_id, float(at)) for key, reply, cost, run_id, at in rows}
+
+    def replaced(self, dataset: str, params_hash: str) -> list[tuple[str, str, int, str, float]]:
+        """(record id, line, from turn, why, when) of every record set aside to make again,
+        oldest first."""
+        rows = self.query(
+            """SELECT record_id, line, from_turn, why, replaced_at FROM replaced_records
+               WHERE dataset=? AND params_hash=? ORDER BY replaced_at, record_id""",
+            (dataset, params_hash),
+        )
+        return [(r, line, int(turn), why, float(at)) for r, line, turn, why, at in rows]
 
     def done_turns(self, dataset: str, params_hash: str) -> dict[tuple[str, int], dict[str, Any]]:
         """Replies of the finished turns of records not written yet, by (record id, turn):

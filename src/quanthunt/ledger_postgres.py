@@ -23,7 +23,7 @@ from typing import Any, ClassVar, TypeVar
 from quanthunt.config_files import hide_userinfo, one_line
 from quanthunt.errors import ConfigError
 from quanthunt.ledger import FINISH, FinishAttempt, Ledger, Operation, StartAttempt, Transaction, WriteRecords
-from quanthunt.ledger_schema import Dialect, monitors, probe_replies, requests_and_attempts, run_script
+from quanthunt.ledger_schema import Dialect, monitors, probe_replies, replaced_records, requests_and_attempts, run_script
 
 try:
     import psycopg
@@ -118,10 +118,10 @@ def shared_work(tx: Transaction, types: Dialect) -> None:
     )
 
 
-MIGRATIONS = (requests_and_attempts, monitors, shared_work, probe_replies)
+MIGRATIONS = (requests_and_attempts, monitors, shared_work, probe_replies, replaced_records)
 """In order (a migration keeps its number once applied, so new ones go at the end): the
 schema both backends share, what only a shared ledger has, then the verify stage's paid
-probe replies."""
+probe replies and the records generate set aside to make again."""
 
 MIGRATION_LOCK = 0x71_75_61_6E_74
 """The advisory lock key that serialises migrations when several hosts start at once."""

@@ -132,7 +132,35 @@ def probe_replies(tx: Transaction, types: Dialect) -> None:
     )
 
 
-MIGRATIONS: tuple[Callable[[Transaction, Dialect], None], ...] = (requests_and_attempts, monitors, probe_replies)
+def replaced_records(tx: Transaction, types: Dialect) -> None:
+    """Records generate set aside to make again (a provider re-verified ``different``, or a
+    stopped monitor's suspect replies: ``quanthunt.refill``): each line kept as it was
+    written, with the turn it was made again from and why."""
+    run_script(
+        tx,
+        f"""
+        CREATE TABLE replaced_records (
+            dataset TEXT NOT NULL,
+            record_id TEXT NOT NULL,
+            params_hash TEXT NOT NULL,
+            line_sha256 TEXT NOT NULL,
+            line TEXT NOT NULL,
+            from_turn INTEGER NOT NULL,
+            why TEXT NOT NULL,
+            replaced_at {types.real} NOT NULL,
+            PRIMARY KEY (dataset, record_id, params_hash, line_sha256)
+        );
+        """,
+    )
+
+
+MIGRATIONS: tuple[Callable[[Transaction, Dialect], None], ...] = (
+    requests_and_attempts,
+    monitors,
+    probe_replies,
+    replaced_records,
+)
 """A local ledger's, in order: 1 the request ledger, 2 the generate stage's monitors, 3 the
-verify stage's paid probe replies. A shared ledger numbers its own (``ledger_postgres``):
-a migration keeps its number once applied anywhere, so new ones go at the end."""
+verify stage's paid probe replies, 4 the records generate set aside to make again. A
+shared ledger numbers its own (``ledger_postgres``): a migration keeps its number once
+applied anywhere, so new ones go at the end."""

@@ -254,3 +254,12 @@ class ProviderMonitor:
         self.stopped = None if state["stopped"] is None else Stop(**state["stopped"])
         self._pending.clear()
         self._refresh()
+
+
+def suspect_turn(turn: Mapping[str, Any], suspect: Mapping[str, int]) -> bool:
+    """Whether a record's turn came from a stopped provider at or after its first suspect
+    checkpoint (``suspect``: tag → checkpoint, ``monitoring.suspect_checkpoints``; a turn
+    without a monitor stamp counts as after): what validate quarantines and generate makes
+    again (``quanthunt.refill``)."""
+    start = suspect.get(str(turn.get("endpoint_tag")))
+    return start is not None and int((turn.get("monitor") or {}).get("checkpoint", start)) >= start

@@ -137,6 +137,10 @@ class DatasetFiles:
         whole, ready to be published again when they come back."""
         return self.generating / f"{self.name}-{params_hash[:12]}.jsonl"
 
+    def set_aside(self, params_hash: str) -> Path:
+        """Records of the working file that were made again (``quanthunt.refill``), kept."""
+        return self.generating / "replaced" / f"{self.name}-{params_hash[:12]}.jsonl"
+
 
 class Api(_Section):
     base_url: str

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quanthunt import schemas
+from quanthunt.monitor import suspect_turn
 from quanthunt.schemas import Failure
 
 ROW_COLUMNS = (
@@ -103,16 +104,10 @@ def _first_unfinished(turns: Sequence[Mapping[str, Any]]) -> str | None:
 
 
 def suspect_by(entry: Mapping[str, Any], suspect: Mapping[str, int]) -> str | None:
-    """The stopped provider's tag if any turn came from it at or after its first suspect
-    checkpoint (``suspect``: tag → checkpoint; a turn without a monitor stamp counts as
-    after), else None."""
+    """The stopped provider's tag if any turn of the record is suspect (``suspect_turn``), else None."""
     for turn in (entry.get("provenance") or {}).get("turns") or []:
-        if not isinstance(turn, dict):
-            continue
-        tag = str(turn.get("endpoint_tag"))
-        start = suspect.get(tag)
-        if start is not None and int((turn.get("monitor") or {}).get("checkpoint", start)) >= start:
-            return tag
+        if isinstance(turn, dict) and suspect_turn(turn, suspect):
+            return str(turn.get("endpoint_tag"))
     return None
 
 

@@ -60,6 +60,54 @@ def test_clean_run_then_nothing_to_redo(generation_bed: Bed) -> None:
     assert_consistent(bed, expected=40)
 
 
+def test_a_provider_verified_different_after_it_served_has_its_records_made_again(generation_bed: Bed) -> None:
+    """Issue 26: with beta's verdict changed to different after generation, validate named
+    its records and failed, and generate said "0 new". Now generate sets them aside (kept)
+    and makes them again from alpha, keeping the turns alpha had served; validate passes
+    and no exported turn is beta's."""
+    bed = generation_bed(records=24)
+    assert bed.generate().returncode == 0
+    first = {r["id"]: r for r in bed.records()}
+    betas = {i for i, r in first.items() if any(t["endpoint_tag"] == "beta/int4" for t in r["provenance"]["turns"])}
+    assert betas, "beta served nothing: the test proves nothing"
+    path = bed.project.root / "reports/verify/verdicts.json"
+    verdicts = json.loads(path.read_text())
+    for p in verdicts["providers"]:
+        if p["tag"] == "beta/int4":
+            p.update(verdict="different", eligible=False, reason="re-verified: NVFP4")
+    path.write_text(json.dumps(verdicts))
+    charged = bed.charged_usd()
+
+    again = bed.generate()
+    assert again.returncode == 0, again.stderr
+    assert (
+        f"refill: {len(betas)} record{'s' if len(betas) > 1 else ''} (beta/int4 ×{len(betas)}) made again"
+        in again.stdout + again.stderr
+    )
+    records = assert_consistent(bed, expected=24)
+    assert not {t["endpoint_tag"] for r in records for t in r["provenance"]["turns"]} - {"alpha/int4"}
+    for record in records:
+        if record["id"] in betas:  # alpha's turns before beta's first are kept, not bought again
+            old = first[record["id"]]["provenance"]["turns"]
+            kept = next(i for i, t in enumerate(old) if t["endpoint_tag"] == "beta/int4")
+            assert [t["generation_id"] for t in record["provenance"]["turns"][:kept]] == [t["generation_id"] for t in old[:kept]]
+            assert record["provenance"]["usage"]["cost_usd"] > sum(t["cost_usd"] for t in record["provenance"]["turns"]) + 1e-12
+        else:
+            assert record == first[record["id"]]
+    assert bed.charged_usd() > charged
+    aside = sorted((bed.project.root / "state/generating/replaced").glob("tiny-*.jsonl"))
+    assert [json.loads(line)["id"] for line in aside[0].read_text().splitlines()] == sorted(betas, key=list(first).index)
+
+    checked = bed.project.run("validate", "tiny", "--params", "params.yaml")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    card = json.loads((bed.project.root / "data/final/tiny.card.json").read_text())
+    assert card["replaced"]["records"] == len(betas) and card["replaced"]["by_provider"] == {"beta/int4": len(betas)}
+    final = [json.loads(line) for line in (bed.project.root / "data/final/tiny.jsonl").read_text().splitlines()]
+    assert len(final) == 24 and all(t["endpoint_tag"] == "alpha/int4" for r in final for t in r["provenance"]["turns"])
+
+    assert "refill" not in (third := bed.generate()).stdout + third.stderr  # nothing left to make again
+
+
 def test_faults_are_retried_and_reconciled(generation_bed: Bed) -> None:
     faults = {"rate_limit": 0.08, "server_error": 0.05, "bad_gateway": 0.05, "unavailable": 0.05, "timeout": 0.03,
               "connection_reset": 0.05, "malformed_json": 0.05, "truncated_body": 0.03, "finish_error": 0.05}  # fmt: skip

@@ -112,9 +112,20 @@ def test_a_drifting_provider_is_stopped_and_its_drifted_records_never_exported(d
         for turn in record["provenance"]["turns"]:
             assert turn["monitor"]["checkpoint"] >= 0 and turn["monitor"]["e_value"] >= 0
 
+    # The next run routes nothing to beta and makes its quarantined records again from alpha
+    # (quanthunt.refill): then every record is exported, none of them beta's after the drift.
     again = bed.project.run("generate", "tiny", "--params", "params.yaml", timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "not routing to beta/int4" in again.stdout + again.stderr
+    quarantined = card["quarantined"]["records"]
+    said = f"refill: {quarantined} record{'s' if quarantined > 1 else ''} (beta/int4 ×{quarantined}) made again"
+    assert said in again.stdout + again.stderr
+    checked = bed.project.run("validate", "tiny", "--params", "params.yaml", timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    card = json.loads((bed.project.root / "data/final/tiny.card.json").read_text())
+    assert card["quarantined"]["records"] == 0 and card["replaced"]["by_provider"] == {"beta/int4": quarantined}
+    final = [json.loads(line) for line in (bed.project.root / "data/final/tiny.jsonl").read_text().splitlines()]
+    assert not {t["generation_id"] for r in final for t in r["provenance"]["turns"]} & drifted
 
 
 def test_kill_9_mid_run_resumes_with_the_monitors_state(generation_bed: Callable[..., GenerationBed]) -> None:

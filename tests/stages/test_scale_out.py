@@ -196,3 +196,27 @@ def test_a_coordinator_presumed_dead_joins_again_and_finishes_the_dataset(fleet:
     check(crew, 160)
     ((joined,),) = crew.rows(f"SELECT COUNT(*) FROM workers WHERE pid = {crew.coordinator.pid}")
     assert joined >= 2
+
+
+def test_records_of_a_provider_found_bad_later_are_named_on_a_shared_ledger(
+    generation_bed: Callable[..., GenerationBed], postgres_url: str
+) -> None:
+    """Making such records again is built for a local ledger (quanthunt.refill); on a shared
+    one generate says so, naming them, instead of saying "0 new"."""
+    bed = generation_bed(records=16, params={"generate.monitor.share": 0, "ledger.coordination": COORDINATION,
+                                             "ledger.team": "ml"})  # fmt: skip
+    bed.project.env["QUANTHUNT_LEDGER_URL"] = postgres_url
+    assert (done := bed.generate()).returncode == 0, done.stderr
+    lines = [json.loads(line) for line in bed.output.read_text().splitlines()]
+    betas = [r for r in lines if any(t["endpoint_tag"] == "beta/int4" for t in r["provenance"]["turns"])]
+    assert betas, "beta served nothing: the test proves nothing"
+    path = bed.project.root / "reports/verify/verdicts.json"
+    verdicts = json.loads(path.read_text())
+    for p in verdicts["providers"]:
+        if p["tag"] == "beta/int4":
+            p.update(verdict="different", eligible=False)
+    path.write_text(json.dumps(verdicts))
+    again = bed.generate()
+    line = again.stderr.strip().splitlines()[-1]
+    assert again.returncode == 2 and f"tiny: {len(betas)} record" in line and "(beta/int4 ×" in line, again.stderr
+    assert "making them again is built for a local ledger only so far" in line
