@@ -1,14 +1,16 @@
 """The request ledger: a crash-safe record of every request generation sends and what
 it cost. One row per request key (dataset, record, turn, params hash), one row per HTTP
 attempt (append-only history), one row per finished record with the sha256 of its output
-line (tamper evidence), the generate stage's monitors, and the verify stage's paid probe
-replies (``SaveProbeReply``, ``paid_probe_replies``).
+line (tamper evidence), the generate stage's monitors, the records it set aside to make
+again (``ReplaceRecords``, ``replaced``), and the verify stage's paid probe replies
+(``SaveProbeReply``, ``paid_probe_replies``).
 
 One interface, two backends, chosen by URL (``open_ledger``): SQLite (WAL) in a local
 file, the default (``quanthunt.ledger_sqlite``), and PostgreSQL, which many hosts can
 share (``quanthunt.ledger_postgres``). Writes are operations (``StartAttempt``,
-``FinishAttempt``, ``WriteRecords``, ``SaveMonitor``, ``NoteGenerationIds``, ``SaveProbeReply``) that a
-backend applies in one transaction per batch (``Ledger.commit``).
+``FinishAttempt``, ``WriteRecords``, ``SaveMonitor``, ``NoteGenerationIds``,
+``SaveProbeReply``, ``ReplaceRecords``) that a backend applies in one transaction per
+batch (``Ledger.commit``).
 
 Writes are grouped: ``LedgerWriter`` commits the queued operations in one transaction
 every few milliseconds (on SQLite about 8 µs of CPU per row instead of ~90 µs for a

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from quanthunt.ledger import Ledger, ReplaceRecords
 from quanthunt.monitor import suspect_turn
+from quanthunt.outputs import write_atomic
 from quanthunt.records import sha256_line
 from quanthunt.verdicts import Verdicts
 
@@ -93,18 +95,11 @@ def set_aside(ledger: Ledger, working: Path, aside: Path, *, dataset: str, param
             os.fsync(fh.fileno())
     gone = {r.record_id for r in replacements}
     staying = [line for line in working.read_text(encoding="utf-8").splitlines() if json.loads(line)["id"] not in gone]
-    staged = working.with_name(f".{working.name}.{os.getpid()}.tmp")
-    with staged.open("w", encoding="utf-8") as fh:
-        fh.write("".join(line + "\n" for line in staying))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(staged, working)
+    write_atomic(working, "".join(line + "\n" for line in staying).encode())
 
 
 def describe(replacements: Sequence[Replacement]) -> str:
     """``12 records (beta/int4 ×12)``, for the terminal."""
-    by: dict[str, int] = {}
-    for r in replacements:
-        by[r.tag] = by.get(r.tag, 0) + 1
-    n = len(replacements)
-    return f"{n} record{'' if n == 1 else 's'} (" + ", ".join(f"{tag} ×{n}" for tag, n in sorted(by.items())) + ")"
+    by = Counter(r.tag for r in replacements)
+    total = len(replacements)
+    return f"{total} record{'' if total == 1 else 's'} (" + ", ".join(f"{tag} ×{n}" for tag, n in sorted(by.items())) + ")"
