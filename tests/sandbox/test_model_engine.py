@@ -1,9 +1,11 @@
-"""The engine's compute thread: closing it answers every request it holds, and scoring
-shares a prompt's computation among the completions that arrive with it."""
+"""The engine's compute thread: closing it answers every request it holds, scoring shares a
+prompt's computation among the completions that arrive with it, and identical requests in
+flight share one computation."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -55,3 +57,26 @@ def test_completions_of_one_new_prompt_scored_together_compute_the_prompt_once()
         own = alone.score(ids, top_logprobs=5)
         assert [t.token.id if t else None for t in scored] == [t.token_id if t else None for t in own]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(scored[1:], own[1:], strict=True) if a and b) < 1e-4
+
+
+def test_identical_requests_in_flight_are_computed_once_and_one_giving_up_leaves_the_other_its_answer() -> None:
+    """Every request is seeded: endpoints serving one precision are asked the same audit
+    request, and a timed-out probe is asked again while its first try still computes."""
+    engine = ModelEngine.load()
+    ids = tuple(engine.encode_chat([{"role": "user", "content": "Name three rivers."}]))
+    request = SamplingRequest(ids, 24, seed=5, top_logprobs=5, ignore_eos=True)
+
+    async def scenario() -> list[object]:
+        impatient = asyncio.ensure_future(engine.complete("nvfp4", request))
+        patient = [asyncio.ensure_future(engine.complete("nvfp4", request)) for _ in range(2)]
+        await asyncio.sleep(0)
+        impatient.cancel()
+        answers = await asyncio.gather(*patient)
+        shared = engine.compute_stats()["decode"]["rows"]
+        alone = await engine.complete("nvfp4", dataclasses.replace(request, seed=6))
+        return [*answers, alone, shared, engine.compute_stats()["decode"]["rows"] - shared]
+
+    first, second, other, shared_rows, alone_rows = asyncio.run(scenario())
+    engine.close()
+    assert first == second and first != other
+    assert shared_rows == alone_rows > 0  # three requests for one answer cost what one costs

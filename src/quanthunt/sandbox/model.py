@@ -12,6 +12,7 @@ transforming the decoder Linear weights (see ``formats``) or the compute dtype.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib.util
 import os
@@ -61,6 +62,7 @@ def cache_root() -> Path:
     return Path(base) / "quanthunt"
 
 
+@functools.cache
 def _digest(path: Path) -> str:
     sha = hashlib.sha256()
     with path.open("rb") as fh:

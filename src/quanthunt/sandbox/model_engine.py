@@ -8,6 +8,7 @@ scoring runs between steps, several sequences per forward pass."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 import time
@@ -24,7 +25,8 @@ from quanthunt.defaults import SANDBOX_MAX_BATCH
 from quanthunt.errors import SandboxError
 from quanthunt.sandbox.decoder import Decoder
 from quanthunt.sandbox.engine import REFERENCE_PRECISION, Completion, OutToken, SamplingRequest, TokenInfo
-from quanthunt.sandbox.model import build_precision, load_reference
+from quanthunt.sandbox.memo import Memo
+from quanthunt.sandbox.model import build_precision, load_reference, model_folder
 from quanthunt.sandbox.sampler import Lane, Sample, ScoreCache, TokenLogprob, score_batch
 from quanthunt.sandbox.threads import ThreadTuner
 
@@ -261,6 +263,14 @@ class _Scheduler:
         self.stats.record("decode", rows, rows, seconds)
 
 
+@dataclass
+class _Pending:
+    """An answer being computed, and how many requests await it."""
+
+    answer: asyncio.Future[Any]
+    waiting: int = 0
+
+
 class ModelEngine:
     """The real model at every precision the roster names.
 
@@ -275,30 +285,37 @@ class ModelEngine:
         tokenizer: Any,
         *,
         max_batch: int = SANDBOX_MAX_BATCH,
+        memo: Memo | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.memo = memo
         self.context_length = int(getattr(reference.config, "max_position_embeddings", 8192))
         stop_ids = [int(tokenizer.eos_token_id)]
         self._bytes = _byte_decoder()
         self._special = {int(i) for i in tokenizer.all_special_ids}
         self._token_cache: dict[int, TokenInfo] = {}
+        self._pending: dict[tuple[str, str, Any], _Pending] = {}
         self._scheduler = _Scheduler(reference, tokenizer, stop_ids, max_batch=max_batch)
 
     @classmethod
     def load(cls, precisions: Sequence[str] = ()) -> ModelEngine:
-        """Load the reference model and pre-build ``precisions`` so no request waits for it."""
+        """Load the reference model and pre-build ``precisions`` so no request waits for it;
+        answers are kept in ``$QUANTHUNT_SANDBOX_MEMO`` when it is set (``memo``)."""
         reference, tokenizer = load_reference()
-        engine = cls(reference, tokenizer)
+        engine = cls(reference, tokenizer, memo=Memo.from_environment(model_digest=model_folder().name))
         for precision in precisions:
             engine._scheduler.decoder(precision)
         return engine
 
     def close(self) -> None:
         self._scheduler.close()
+        if self.memo is not None:
+            self.memo.close()
 
     def compute_stats(self) -> dict[str, dict[str, float]]:
         tuner = self._scheduler.tuner
-        return {**self._scheduler.stats.as_dict(), "threads": {"current": tuner.current, "switches": tuner.switches}}
+        memo: dict[str, dict[str, float]] = {"memo": {"hits": self.memo.hits}} if self.memo else {}
+        return {**self._scheduler.stats.as_dict(), "threads": {"current": tuner.current, "switches": tuner.switches}, **memo}
 
     def encode_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
         encoded = self.tokenizer.apply_chat_template(
@@ -332,7 +349,7 @@ class ModelEngine:
         )
 
     async def complete(self, precision: str, request: SamplingRequest, *, pace: tuple[float, float] | None = None) -> Completion:
-        sample: Sample = await asyncio.wrap_future(self._scheduler.submit("sample", precision, request))
+        sample: Sample = await self._answer("sample", precision, request)
         return Completion(
             text=sample.text,
             tokens=[self._out(t) for t in sample.logprobs],
@@ -343,5 +360,38 @@ class ModelEngine:
     async def score(
         self, ids: Sequence[int], *, top_logprobs: int, precision: str = REFERENCE_PRECISION
     ) -> list[OutToken | None]:
-        scored = await asyncio.wrap_future(self._scheduler.submit("score", precision, (list(ids), top_logprobs)))
+        scored: list[TokenLogprob | None] = await self._answer("score", precision, (tuple(ids), top_logprobs))
         return [None if s is None else self._out(s) for s in scored]
+
+    async def _answer(self, kind: str, precision: str, payload: Any) -> Any:
+        """The answer to ``payload`` (a ``SamplingRequest``, or ``(ids, top_logprobs)`` to
+        score): the memo's when it holds it, else computed once for every identical request
+        in flight. Every request is seeded, so identical ones have one answer (computed
+        apart, a near-tie may flip under other batch company); a default audit asks it
+        several times, of each endpoint serving the same precision."""
+        if self.memo is not None and (kept := self.memo.answer(kind, precision, payload)) is not None:
+            return kept
+        key = (kind, precision, payload)
+        pending = self._pending.get(key)
+        if pending is None:
+            submitted = self._scheduler.submit(kind, precision, payload if kind == "sample" else (list(payload[0]), payload[1]))
+            pending = self._pending[key] = _Pending(asyncio.wrap_future(submitted))
+            pending.answer.add_done_callback(functools.partial(self._settled, key, pending))
+        pending.waiting += 1
+        try:
+            return await asyncio.shield(pending.answer)
+        except asyncio.CancelledError:
+            pending.waiting -= 1
+            if pending.waiting == 0:  # nobody wants it: a queued job is dropped unstarted
+                self._forget(key, pending)
+                pending.answer.cancel()
+            raise
+
+    def _forget(self, key: tuple[str, str, Any], pending: _Pending) -> None:
+        if self._pending.get(key) is pending:
+            del self._pending[key]
+
+    def _settled(self, key: tuple[str, str, Any], pending: _Pending, answer: asyncio.Future[Any]) -> None:
+        self._forget(key, pending)
+        if self.memo is not None and not answer.cancelled() and answer.exception() is None:
+            self.memo.keep(key[0], key[1], key[2], answer.result())
