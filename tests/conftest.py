@@ -7,4 +7,5 @@ pytest_plugins = [
     "fixtures.generation",
     "fixtures.bad_inputs",
     "fixtures.postgres",
+    "fixtures.engines",
 ]

@@ -5,29 +5,15 @@ same verdicts as the sandbox's reference, and the sandbox's SGLang flavour too. 
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import yaml
 from fixtures.audits import assert_true_to_the_default_roster, audit, explained, outcomes
-from fixtures.project import REPO, Project
+from fixtures.project import Project
 
 from quanthunt.engines import VllmServer
 from quanthunt.sandbox.roster import default_roster_path
 
 pytestmark = pytest.mark.engines
-
-
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    python = Path(os.environ.get("QUANTHUNT_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-    started = time.monotonic()
-    with VllmServer(python=python, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log") as server:
-        print(f"\nvLLM ready in {time.monotonic() - started:.0f} s at {server.base_url}")
-        yield server
 
 
 def test_a_real_vllm_and_an_sglang_flavoured_reference_give_the_sandbox_references_verdicts(

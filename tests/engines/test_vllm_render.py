@@ -4,46 +4,24 @@ the chat template's ids, those of its own ``/tokenize`` with ``messages`` for ei
 ``add_generation_prompt``, the generation prompt extending the conversation, and the
 recorded reply's fields (``tests/contracts/replies/vllm/render-chat*``).
 
-vLLM 0.32 serves the scale-out routes (render among them) only when started with
-``--enable-scale-out``; without it they answer 403. Run alone with
+The suite's vLLM (``tests/fixtures/engines.py``) is started with the scale-out routes on,
+which serve the render. Run alone with
 ``.venv/bin/pytest -n 0 -m engines tests/engines/test_vllm_render.py`` (about a minute to
 start the server on the sandbox's fp32 weights)."""
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fixtures.contracts import recorded
-from fixtures.project import REPO
 
 from quanthunt.engines import VllmServer
 
 pytestmark = pytest.mark.engines
 VLLM = recorded("vllm")
 MESSAGES = VLLM["render-chat"]["request"]["body"]["messages"]
-
-
-class ScaleOutVllmServer(VllmServer):
-    """The suite's vLLM server with the scale-out routes on."""
-
-    def command(self, weights: Path) -> list[str]:
-        return [*super().command(weights), "--enable-scale-out"]
-
-
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    python = Path(os.environ.get("QUANTHUNT_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-    started = time.monotonic()
-    log = tmp_path_factory.mktemp("vllm-render") / "vllm.log"
-    with ScaleOutVllmServer(python=python, log_path=log) as server:
-        print(f"\nvLLM (scale-out) ready in {time.monotonic() - started:.0f} s at {server.base_url}")
-        yield server
 
 
 def post(server: VllmServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
