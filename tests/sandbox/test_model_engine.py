@@ -79,4 +79,4 @@ def test_identical_requests_in_flight_are_computed_once_and_one_giving_up_leaves
     first, second, other, shared_rows, alone_rows = asyncio.run(scenario())
     engine.close()
     assert first == second and first != other
-    assert shared_rows == alone_rows > 0  # three requests for one answer cost what one costs
+    assert shared_rows == alone_rows > 0  # three requests for one answer cost what one does

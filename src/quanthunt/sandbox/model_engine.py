@@ -120,6 +120,7 @@ class _Scheduler:
         self._lanes: dict[str, Lane] = {}
         self._score_caches: dict[str, ScoreCache] = {}
         self._running: dict[str, set[Future[Any]]] = defaultdict(set)
+        self._finished: list[tuple[Future[Any], Sample]] = []
         self._waiting: dict[str, deque[_Job]] = defaultdict(deque)
         self._queue: deque[_Job] = deque()
         self._cond = threading.Condition()
@@ -224,11 +225,12 @@ class _Scheduler:
             computed = {id(job): len(job.payload[0]) - (cache.cached_length(*job.payload) if cache else 0) for job in wave}
             for group in _token_bounded(wave, _looked_up(computed), SCORE_BATCH_TOKENS):
                 started = time.perf_counter()
-                for job, scored in zip(group, score_batch(decoder, [job.payload for job in group], cache), strict=True):
-                    job.future.set_result(scored)
+                answers = score_batch(decoder, [job.payload for job in group], cache)
                 tokens = sum(computed[id(job)] for job in group)
                 self.stats.record("score", len(group), tokens, time.perf_counter() - started)
                 self.stats.record("score_cached", len(group), sum(len(job.payload[0]) for job in group) - tokens, 0.0)
+                for job, scored in zip(group, answers, strict=True):  # after the stats: a reply sees its own work
+                    job.future.set_result(scored)
 
     def _admit(self, precision: str, _: list[_Job]) -> None:
         waiting, lane = self._waiting[precision], self._lane(precision)
@@ -242,25 +244,38 @@ class _Scheduler:
         self._running[precision].update(job.future for job in joining)
         for group in _token_bounded(joining, lambda job: len(job.payload.prompt_ids), PREFILL_BATCH_TOKENS):
             started = time.perf_counter()
-            tokens = lane.admit([(job.payload, self._resolver(precision, job.future)) for job in group])
-            self.stats.record("prefill", len(group), tokens, time.perf_counter() - started)
+            try:
+                tokens = lane.admit([(job.payload, self._resolver(precision, job.future)) for job in group])
+                self.stats.record("prefill", len(group), tokens, time.perf_counter() - started)
+            finally:
+                self._resolve_finished()
 
     def _resolver(self, precision: str, future: Future[Any]) -> Callable[[Sample], None]:
         def done(sample: Sample) -> None:
             self._running[precision].discard(future)
-            future.set_result(sample)
+            self._finished.append((future, sample))
 
         return done
+
+    def _resolve_finished(self) -> None:
+        """Answer the requests the last step finished, once its stats are recorded (a reply
+        that reads ``compute_stats`` sees the work done for it)."""
+        finished, self._finished = self._finished, []
+        for future, sample in finished:
+            future.set_result(sample)
 
     def _step(self, precision: str, _: list[_Job]) -> None:
         started = time.perf_counter()
         threads = self.tuner.threads(started)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-        rows = self._lanes[precision].step()
-        seconds = time.perf_counter() - started
-        self.tuner.record(threads, rows, seconds, started + seconds)
-        self.stats.record("decode", rows, rows, seconds)
+        try:
+            rows = self._lanes[precision].step()
+            seconds = time.perf_counter() - started
+            self.tuner.record(threads, rows, seconds, started + seconds)
+            self.stats.record("decode", rows, rows, seconds)
+        finally:
+            self._resolve_finished()
 
 
 @dataclass
