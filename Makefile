@@ -65,11 +65,14 @@ postgres:
 	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
 	  else echo "note: PostgreSQL not installed; the PostgreSQL ledger tests will be skipped"; fi; }
 
-# Initialise git and DVC when needed, then run the whole pipeline against the sandbox.
+# Initialise git and DVC when needed, then run the whole pipeline against the sandbox. It
+# commits nothing: the last lines say what to commit to make the run the experiments' baseline.
 run: install
 	@git rev-parse --is-inside-work-tree >/dev/null 2>&1 || git init --quiet
 	@[ -d .dvc ] || $(BIN)/dvc init --quiet
 	PATH="$(abspath $(BIN)):$$PATH" QUANTHUNT_PIPELINE_ID="make-run-$$(date +%s)-$$$$" $(BIN)/dvc repro
+	@echo "Make this run the baseline experiments are compared with (dvc exp show, dvc metrics diff):"
+	@echo "  git add -A && git commit -m 'make run'"
 
 lint: install
 	$(BIN)/ruff check .
