@@ -14,7 +14,15 @@ from rich.table import Table
 from quanthunt.params import load_params
 from quanthunt.tracking import latest_stage, repo_root, search_stage_runs
 
-SHOWN_TAGS = ("providers", "candidates", "cost_usd", "measured_precision", "git.commit", "quanthunt.error")
+SHOWN_TAGS = (
+    "providers",
+    "candidates",
+    "cost_usd",
+    "measured_precision",
+    "dvc.exp_name",
+    "git.commit",
+    "quanthunt.error",
+)
 
 
 def differing(runs: list[dict[str, Any]], field: str) -> list[str]:
