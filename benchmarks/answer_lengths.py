@@ -3,14 +3,15 @@ assistant turns each ``generate.sampling.max_tokens`` would cut off (``finish_re
 length``) and at what cost in completion tokens.
 
 Usage: ``.venv/bin/python benchmarks/answer_lengths.py [--records 20] [--max-tokens 1024]
-[--provider moonshotai/int4] [--datasets chat,code] [--longest 12] [--dump turns.jsonl]``
+[--provider moonshotai/int4] [--datasets chat,code] [--temperature 0.8] [--longest 12] [--dump turns.jsonl]``
 
 Starts the sandbox in model mode and regenerates every assistant turn of the first
 ``--records`` records of each dataset in ``params.yaml`` the way ``generate`` does
 (``prompts.skeleton``/``next_request``: system and user turns kept, earlier assistant turns
 replaced by the regenerated replies; each request's seed ``Sampling.request_seed(record id,
 turn)``), pinned to one provider that serves the reference weights, at params.yaml's
-``generate.sampling`` except ``max_tokens``, which is ``--max-tokens``. Records run
+``generate.sampling`` except ``max_tokens``, which is ``--max-tokens`` (and the temperature,
+with ``--temperature``). Records run
 concurrently, their turns in order.
 
 Prints per dataset and overall: turns; completion-token percentiles (nearest rank: the
@@ -122,6 +123,7 @@ def main() -> None:
     parser.add_argument("--params", type=Path, default=ROOT / "params.yaml", help="datasets, prompt paths, sampling")
     parser.add_argument("--datasets", help="comma-separated subset of params.yaml's datasets")
     parser.add_argument("--seed", type=int, help="generate.sampling.seed for the request seeds (default: params.yaml's)")
+    parser.add_argument("--temperature", type=float, help="generate.sampling.temperature (default: params.yaml's)")
     parser.add_argument("--cuts", default=",".join(map(str, CUTS)), help="candidate max_tokens values")
     parser.add_argument("--longest", type=int, default=12, help="list this many longest turns")
     parser.add_argument("--dump", type=Path, help="write every turn (with its prompt and reply) here as JSON Lines")
@@ -131,7 +133,8 @@ def main() -> None:
     params = load_params(args.params)
     s = params.generate.sampling
     seed = s.seed if args.seed is None else args.seed
-    sampling = Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=args.max_tokens, seed=seed)
+    temperature = s.temperature if args.temperature is None else args.temperature
+    sampling = Sampling(temperature=temperature, top_p=s.top_p, max_tokens=args.max_tokens, seed=seed)
     datasets = args.datasets.split(",") if args.datasets else list(params.datasets)
     work: list[tuple[str, PromptRecord]] = []
     for dataset in datasets:
@@ -141,7 +144,7 @@ def main() -> None:
                 break
             work.append((dataset, record))
     print(f"{len(work)} records ({args.records} per dataset), model {params.survey.model} on {args.provider}; "
-          f"temperature {s.temperature}, top_p {s.top_p}, seed {seed} (per request: Sampling.request_seed), "
+          f"temperature {temperature}, top_p {s.top_p}, seed {seed} (per request: Sampling.request_seed), "
           f"max_tokens {args.max_tokens}")  # fmt: skip
 
     t0 = time.perf_counter()
