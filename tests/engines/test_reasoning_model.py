@@ -7,6 +7,8 @@ empty answer. Long (two default-roster audits on the real model): ``make test-en
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -17,8 +19,9 @@ from quanthunt.sandbox.roster import default_roster_path
 
 pytestmark = pytest.mark.engines
 
-SHORT_ANSWER_HEAD = 20
-"""Each sample prompt file starts with this many short-answer records (README, generate)."""
+OPEN_ENDED = Path(__file__).parent / "open_ended"
+"""Open-ended prompts (30 a dataset: the sample files' records before they were all made
+short-answer), in place of the project's sample prompts."""
 
 
 @pytest.fixture
@@ -29,13 +32,12 @@ def reasoning_project(project: Project) -> Project:
     project.set_param("sandbox.roster", "reasoning.yaml")
     project.set_param("reasoning.end_marker", "</think>\n")
     project.set_param("reasoning.template_kwargs", {"thinking": False})
-    # The audit probes open-ended prompts only: the sample files' short-answer head (the
-    # default run's records) draws empty thinking-off completions from the sandbox's
-    # reasoning profile (2 of 36 probes of a faithful endpoint, 5 of 12 of the substitute in
-    # one audit), which verify counts as failed; this suite compares the two reasoning
-    # modes, not prompts.
+    # The audit probes open-ended prompts only: short-answer prompts (every sample record)
+    # draw empty thinking-off completions from the sandbox's reasoning profile (2 of 36
+    # probes of a faithful endpoint, 5 of 12 of the substitute in one audit), which verify
+    # counts as failed; this suite compares the two reasoning modes, not prompts.
     for path in (project.root / "data/prompts").glob("*.jsonl"):
-        path.write_text("".join(path.read_text(encoding="utf-8").splitlines(keepends=True)[SHORT_ANSWER_HEAD:]))
+        shutil.copyfile(OPEN_ENDED / path.name, path)
     project.set_param("generate.max_records", 10)
     return project
 
