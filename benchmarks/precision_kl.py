@@ -18,8 +18,9 @@ import time
 
 import torch
 
+from quanthunt.sandbox.decoder import Decoder
 from quanthunt.sandbox.engine import SamplingRequest
-from quanthunt.sandbox.model import PrecisionStore, load_reference
+from quanthunt.sandbox.model import PrecisionStore, kv_format, load_reference
 from quanthunt.sandbox.roster import PRECISIONS
 from quanthunt.sandbox.sampler import Sampler
 
@@ -48,6 +49,14 @@ ORIENTATION = {"int4-bf16act": 1.2e-3, "int8": 3.7e-3, "nvfp4": 0.26, "mxfp4": 0
 @torch.inference_mode()
 def logprobs_of(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+@torch.inference_mode()
+def cached_logprobs(decoder: Decoder, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced through the serving forward pass (for a precision whose KV cache
+    format transformers cannot express)."""
+    logits, _ = decoder.extend([None], [ids])
+    return torch.log_softmax(logits[0], dim=-1)
 
 
 @torch.inference_mode()
@@ -112,7 +121,12 @@ def main() -> None:
     rows.append(("fp32 batch vs single", *pooled(floor)))
     for precision in PRECISIONS[1:]:
         model = store.get(precision)
-        parts = [compare(r, logprobs_of(model, seq), seq, len(p)) for r, seq, p in zip(ref_scores, seqs, prompt_ids, strict=True)]
+        fmt = kv_format(precision)
+        decoder = Decoder(model, kv_format=fmt) if fmt else None
+        parts = [
+            compare(r, cached_logprobs(decoder, seq) if decoder else logprobs_of(model, seq), seq, len(p))
+            for r, seq, p in zip(ref_scores, seqs, prompt_ids, strict=True)
+        ]
         rows.append((precision, *pooled(parts)))
 
     header = ["precision", "positions", "mean KL", "p99 KL", "top-1 disagree", "mean |Δlogp|", "issue (mean KL)"]

@@ -55,6 +55,16 @@ def test_e4m3_rounding_saturates_and_is_representable() -> None:
     assert e4m3_representable(q)
 
 
+def test_fp8_kv_cache_keeps_the_compute_dtype_and_loses_bits_below_the_normal_range() -> None:
+    keys = torch.tensor([[[[3.3, -0.7, 600.0, 0.003]]]], dtype=torch.bfloat16)  # [rows, heads, positions, head_dim]
+    stored = formats.fp8_kv(keys)
+    assert stored.dtype == torch.bfloat16 and stored.shape == keys.shape
+    assert e4m3_representable(stored.float()) and stored[0, 0, 0, 2].item() == 448.0  # scale 1.0 saturates
+    relative = ((stored.float() - keys.float()).abs() / keys.float().abs())[0, 0, 0]
+    assert relative[0] <= 1 / 16 and relative[1] <= 1 / 16  # 3 mantissa bits: within half a step
+    assert relative[3] > 1 / 4  # 0.003 is subnormal in E4M3 (steps of 2**-9): scale 1.0 costs small values
+
+
 def test_int8_per_channel(weight: torch.Tensor) -> None:
     q = formats.int8_per_channel(weight)
     scale = weight.abs().amax(dim=1, keepdim=True) / 127

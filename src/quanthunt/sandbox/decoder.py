@@ -30,7 +30,7 @@ prefill of 8 x 96 tokens 3.5 s against 19.0 s, 32 decode steps 5.5 against 10.3 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,9 +126,14 @@ class Decoder:
     ``decoder.prefill(cache, first_slot, prompts)`` and ``decoder.decode(cache, tokens,
     lengths)`` for sampling, ``decoder.extend(past, suffixes)`` for teacher-forced scoring
     (``past`` from a prefix cache, or ``None`` per row for a whole sequence).
+
+    ``kv_format`` rounds every key and value as the serving engine's cache would store them
+    (e.g. ``formats.fp8_kv``); attention reads them rounded, the current position's too, as
+    vLLM's attention reads the cache it has just written.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, kv_format: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.kv_format = kv_format
         core: Any = model.model
         config: Any = model.config
         self.heads = int(config.num_attention_heads)
@@ -185,7 +190,10 @@ class Decoder:
         q = qkv[..., :q_size].view(rows, positions, self.heads, self.head_dim).transpose(1, 2)
         k = qkv[..., q_size : q_size + kv_size].view(rows, positions, self.kv_heads, self.head_dim).transpose(1, 2)
         v = qkv[..., q_size + kv_size :].view(rows, positions, self.kv_heads, self.head_dim).transpose(1, 2)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+        k = self._rotate(k, cos, sin)
+        if self.kv_format is not None:
+            k, v = self.kv_format(k), self.kv_format(v)
+        return self._rotate(q, cos, sin), k, v
 
     def _finish(self, x: torch.Tensor, attended: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """The rest of a block after attention: output projection, residual, MLP, residual."""

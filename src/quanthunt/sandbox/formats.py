@@ -14,6 +14,10 @@ dimension, as in every inference engine; a ragged last block is zero-padded.
 - ``mxfp4``: FP4 E2M1 values in 32-element blocks with a shared power-of-two (E8M0) scale
   ``2 ** (floor(log2(amax)) - 2)`` (OCP Microscaling spec v1.0, §6.3); values that land
   above 6 saturate.
+
+And one cache format: ``fp8_kv`` rounds keys and values to FP8 E4M3 with a per-tensor scale
+of 1.0, what vLLM's ``--kv-cache-dtype fp8`` stores when the checkpoint carries no scales
+and none are calculated (its documented default).
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest FP8 E4M3 (``e4m3fn``) value, saturating at ±448."""
     return torch.clamp(x, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def fp8_kv(x: torch.Tensor) -> torch.Tensor:
+    """Keys or values as an FP8 E4M3 KV cache with scale 1.0 holds them (saturating at ±448;
+    below 2**-6 E4M3 is subnormal, so small values keep fewer bits)."""
+    return round_e4m3(x)
 
 
 def _blocks(w: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:

@@ -6,7 +6,8 @@ weights are cached as safetensors (reload in ~0.2 s) under the quanthunt cache
 directory, keyed by the GGUF file's digest.
 
 Every precision a sandbox provider serves is built from that fp32 reference by
-transforming the decoder Linear weights (see ``formats``) or the compute dtype.
+transforming the decoder Linear weights (see ``formats``) or the compute dtype; the
+``*-fp8kv`` ones also store keys and values as an FP8 KV cache does (``kv_format``).
 """
 
 from __future__ import annotations
@@ -170,12 +171,25 @@ def _substitute(reference: nn.Module) -> nn.Module:
 _BUILDERS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "int4-native": lambda reference: reference,
     "int4-bf16act": _bf16_compute,
+    "int4-fp8kv": lambda reference: reference,
+    "int4-bf16act-fp8kv": _bf16_compute,
     "int8": _with_weight_format(formats.int8_per_channel),
     "int4-g128": _with_weight_format(formats.int4_groupwise),
     "nvfp4": _with_weight_format(formats.nvfp4),
     "mxfp4": _with_weight_format(formats.mxfp4),
     "substitute": _substitute,
 }
+
+
+_KV_FORMATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "int4-fp8kv": formats.fp8_kv,
+    "int4-bf16act-fp8kv": formats.fp8_kv,
+}
+
+
+def kv_format(precision: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How ``precision``'s engine stores keys and values (None: in its compute dtype)."""
+    return _KV_FORMATS.get(precision)
 
 
 def build_precision(reference: nn.Module, precision: str) -> nn.Module:

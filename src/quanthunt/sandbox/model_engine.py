@@ -26,7 +26,7 @@ from quanthunt.errors import SandboxError
 from quanthunt.sandbox.decoder import Decoder
 from quanthunt.sandbox.engine import REFERENCE_PRECISION, Completion, OutToken, SamplingRequest, TokenInfo
 from quanthunt.sandbox.memo import Memo
-from quanthunt.sandbox.model import build_precision, load_reference, model_folder
+from quanthunt.sandbox.model import build_precision, kv_format, load_reference, model_folder
 from quanthunt.sandbox.sampler import Lane, Sample, ScoreCache, TokenLogprob, score_batch
 from quanthunt.sandbox.threads import ThreadTuner
 
@@ -149,7 +149,7 @@ class _Scheduler:
         it holds the weights it needs, packed, and the model it was built from is dropped."""
         with self._building:
             if precision not in self._decoders:
-                self._decoders[precision] = Decoder(build_precision(self._reference, precision))
+                self._decoders[precision] = Decoder(build_precision(self._reference, precision), kv_format=kv_format(precision))
             return self._decoders[precision]
 
     def _text(self, ids: list[int]) -> str:

@@ -25,6 +25,8 @@ from quanthunt.spec import ENDPOINT_STATUSES, Quantization, check_price
 PRECISIONS = (
     "int4-native",
     "int4-bf16act",
+    "int4-fp8kv",
+    "int4-bf16act-fp8kv",
     "int8",
     "int4-g128",
     "nvfp4",

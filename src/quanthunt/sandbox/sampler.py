@@ -334,8 +334,15 @@ class Sampler:
     call admitted together (benchmarks and tests; the server's engine feeds a ``Lane`` as
     requests arrive)."""
 
-    def __init__(self, model: nn.Module, tokenizer: object, *, stop_token_ids: Sequence[int]) -> None:
-        self.decoder = Decoder(model)
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: object,
+        *,
+        stop_token_ids: Sequence[int],
+        kv_format: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.decoder = Decoder(model, kv_format=kv_format)
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
 
