@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -105,6 +106,37 @@ def test_bf16_compute_is_close_but_not_identical(model_sandbox: SandboxProcess) 
     got = [t["logprob"] for t in bf16["choices"][0]["logprobs"]["content"]]
     diffs = [abs(a - b) for a, b in zip(ref, got, strict=False)]
     assert 0 < sum(diffs) / len(diffs) < 0.3
+
+
+def echo_scores(base: str, ids: list[int]) -> list[float]:
+    body = {"model": MODEL_ID, "prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1}
+    reply = httpx.post(f"{base}/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return [float(v) for v in reply.json()["choices"][0]["logprobs"]["token_logprobs"][1:]]
+
+
+def test_the_rosters_other_deployments_each_serve_their_own_precision(model_sandbox: SandboxProcess) -> None:
+    """The default roster's ``deployments``: the same text scored by the reference and by
+    each deployment, as a team would score it on its second server and its coarse build."""
+    text = "The lighthouse keeper climbed the stairs every evening to light the lamp for the passing ships."
+    ids = reference(model_sandbox, "tokenize", prompt=text)["tokens"]
+    ours = echo_scores(model_sandbox.reference_url, ids)
+    off = {
+        name: statistics.fmean(
+            abs(a - b) for a, b in zip(echo_scores(model_sandbox.deployment_url(name), ids), ours, strict=True)
+        )
+        for name in ("bf16-box", "fp8-kv", "coarse")
+    }
+    assert 0 < off["bf16-box"] < off["coarse"] and 0 < off["fp8-kv"] < off["coarse"], off
+    assert off["coarse"] > 0.1, off  # NVFP4 weights: far off
+    chat = httpx.post(
+        f"{model_sandbox.deployment_url('coarse')}/chat/completions",
+        json={"model": MODEL_ID, "messages": PARIS, "max_tokens": 8, "seed": 1},
+        timeout=120,
+    )
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"], chat.text
+    unknown = httpx.post(f"{model_sandbox.url}/deployments/nope/v1/completions", json={"model": MODEL_ID, "prompt": "Hi"})
+    assert unknown.status_code == 404
 
 
 def test_streaming_concatenates_to_the_same_text(sdk: OpenAI) -> None:

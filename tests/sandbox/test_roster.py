@@ -28,6 +28,8 @@ def test_default_roster_tells_the_seed_story() -> None:
     assert [tag for tag, (*_, logprobs) in truth.items() if not logprobs] == ["novita/int4"]
     assert roster.generation_lookup_delay_s == pytest.approx(1.0)  # OpenRouter's /generation lags ~1 s
     assert any(p.precision == "substitute" for p in roster.providers)
+    # the team's other deployments: the reference on other hardware, with an fp8 KV cache, a coarse build
+    assert roster.deployments == {"bf16-box": "int4-bf16act", "fp8-kv": "int4-fp8kv", "coarse": "nvfp4"}
 
 
 def test_pricing_applies_discount_and_overrides() -> None:
@@ -79,6 +81,16 @@ def test_pricing_applies_discount_and_overrides() -> None:
             "providers:\n- {name: A, slug: a, tag: a/x, quantization: int4, precision: int4-native, status: 3,"
             " pricing: {prompt: '0', completion: '0'}}",
             "providers.0.status",
+        ),
+        (
+            "deployments: {Big Box: int4-native}\nproviders:\n- {name: A, slug: a, tag: a/x, quantization: int4,"
+            " precision: int4-native, pricing: {prompt: '0', completion: '0'}}",
+            "deployments: Value error, deployment name 'Big Box' must be lower-case letters, digits and dashes",
+        ),
+        (
+            "deployments: {box: fp2}\nproviders:\n- {name: A, slug: a, tag: a/x, quantization: int4,"
+            " precision: int4-native, pricing: {prompt: '0', completion: '0'}}",
+            "deployments: Value error, deployment box: unknown precision 'fp2'",
         ),
     ],
 )

@@ -1,5 +1,6 @@
 """The sandbox gateway: OpenRouter's API under ``/api/v1`` and a vLLM-style local
-reference deployment under ``/reference/v1``, over one engine.
+reference deployment under ``/reference/v1`` (and the roster's other ``deployments`` under
+``/deployments/<name>/v1``), over one engine.
 
 Nothing here knows about quanthunt's pipeline: it is just another gateway at a base URL.
 Reply shapes follow OpenRouter's published OpenAPI spec (the tests validate them against
@@ -553,7 +554,12 @@ def create_app(roster: Roster, engine: CompletionEngine) -> SandboxApp:
         Route("/api/v1/key", sandbox.key_info),
         Route("/api/v1/sandbox/stats", sandbox.stats_route),
         Route("/api/v1/sandbox/credits", sandbox.add_credits, methods=["POST"]),
-        *reference_routes(roster, engine),
+        *reference_routes(roster, engine, outage=roster.reference_outage),
+        *(
+            route
+            for name, precision in roster.deployments.items()
+            for route in reference_routes(roster, engine, precision=precision, root=f"/deployments/{name}")
+        ),
     ]
     routed = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed, Exception: _crashed})
     return SandboxApp(sandbox, routed)

@@ -1,5 +1,6 @@
 """The team's local reference deployment, as a real vLLM or SGLang server shows it (the
-roster's ``reference_flavour``; the server root is ``/reference``, its API ``/reference/v1``).
+roster's ``reference_flavour``; the server root is ``/reference``, its API ``/reference/v1``;
+each of the roster's other ``deployments`` is served the same way under ``/deployments/<name>``).
 
 - ``POST /v1/chat/completions``: sampling with logprobs (no routing, no cost);
 - ``POST /v1/completions``: ``echo: true`` with ``logprobs: k`` returns the teacher-forced
@@ -40,7 +41,7 @@ from quanthunt.sandbox import thinking
 from quanthunt.sandbox.engine import REFERENCE_PRECISION, CompletionEngine, OutToken, SamplingRequest, TokenInfo
 from quanthunt.sandbox.render import ContextNames, logprob_items
 from quanthunt.sandbox.requests import BadRequest, parse_chat, parse_json_object, parse_messages, parse_stop
-from quanthunt.sandbox.roster import Roster
+from quanthunt.sandbox.roster import Outage, Roster
 from quanthunt.spec import MAX_TOP_LOGPROBS
 
 
@@ -75,8 +76,17 @@ def _lax_bool(value: Any, name: str) -> bool:
     raise BadRequest(f"{name}: Input should be a valid boolean")
 
 
-def reference_routes(roster: Roster, engine: CompletionEngine) -> list[Route]:
-    """Routes of the reference deployment over ``engine`` at the reference precision."""
+def reference_routes(
+    roster: Roster,
+    engine: CompletionEngine,
+    *,
+    precision: str = REFERENCE_PRECISION,
+    root: str = "/reference",
+    outage: Outage | None = None,
+) -> list[Route]:
+    """Routes of a deployment of the model over ``engine`` at ``precision``, under ``root``:
+    the reference by default (with the roster's ``reference_outage`` when given it), or one
+    of the roster's other ``deployments``."""
 
     model_id = roster.model.id
     sglang = roster.reference_flavour == "sglang"
@@ -148,7 +158,7 @@ def reference_routes(roster: Roster, engine: CompletionEngine) -> list[Route]:
                 top_logprobs=params.top_logprobs,
                 stop=params.stop,
             )
-            completion = await thinking.complete(engine, REFERENCE_PRECISION, sampling, roster.model.reasoning, enabled=enabled)
+            completion = await thinking.complete(engine, precision, sampling, roster.model.reasoning, enabled=enabled)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         except SandboxError as exc:
@@ -183,10 +193,9 @@ def reference_routes(roster: Roster, engine: CompletionEngine) -> list[Route]:
     completions_seen = 0
 
     def in_outage() -> bool:
-        """Whether this ``/completions`` request falls in the roster's ``reference_outage``."""
+        """Whether this ``/completions`` request falls in ``outage``."""
         nonlocal completions_seen
         completions_seen += 1
-        outage = roster.reference_outage
         if outage is None or completions_seen <= outage.after:
             return False
         return outage.requests is None or completions_seen <= outage.after + outage.requests
@@ -236,11 +245,12 @@ def reference_routes(roster: Roster, engine: CompletionEngine) -> list[Route]:
                     stop=parse_stop(data.get("stop")),
                     ignore_eos=ignore_eos,
                 )
-                done = await engine.complete(REFERENCE_PRECISION, sampling)
+                done = await engine.complete(precision, sampling)
                 completion_tokens, text, finish = done.tokens, done.text, done.finish_reason
             prompt_scores: list[OutToken | None] = []
             if echo:
-                prompt_scores = await engine.score(ids, top_logprobs=k or 0) if k is not None else [None] * len(ids)
+                scored = k is not None
+                prompt_scores = await engine.score(ids, top_logprobs=k or 0, precision=precision) if scored else [None] * len(ids)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         except SandboxError as exc:
@@ -380,17 +390,17 @@ def reference_routes(roster: Roster, engine: CompletionEngine) -> list[Route]:
         return JSONResponse({"status": "ok"})
 
     return [
-        Route("/reference/health", health),
-        Route("/reference/v1/models", models),
-        Route("/reference/v1/chat/completions", chat, methods=["POST"]),
-        Route("/reference/v1/completions", completions, methods=["POST"]),
-        *([] if sglang else [Route("/reference/v1/chat/completions/render", render_chat, methods=["POST"])]),
-        Route("/reference/tokenize", tokenize, methods=["POST"]),
-        Route("/reference/detokenize", detokenize, methods=["POST"]),
+        Route(f"{root}/health", health),
+        Route(f"{root}/v1/models", models),
+        Route(f"{root}/v1/chat/completions", chat, methods=["POST"]),
+        Route(f"{root}/v1/completions", completions, methods=["POST"]),
+        *([] if sglang else [Route(f"{root}/v1/chat/completions/render", render_chat, methods=["POST"])]),
+        Route(f"{root}/tokenize", tokenize, methods=["POST"]),
+        Route(f"{root}/detokenize", detokenize, methods=["POST"]),
         *(
             [
-                Route("/reference/v1/tokenize", tokenize, methods=["POST"]),
-                Route("/reference/v1/detokenize", detokenize, methods=["POST"]),
+                Route(f"{root}/v1/tokenize", tokenize, methods=["POST"]),
+                Route(f"{root}/v1/detokenize", detokenize, methods=["POST"]),
             ]
             if sglang
             else []

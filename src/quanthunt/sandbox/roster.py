@@ -9,6 +9,7 @@ show them (name, tag, declared quantization, prices, ...); ``precision``, ``mixt
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -35,6 +36,7 @@ PRECISIONS = (
 )
 """Every true precision the sandbox can serve (see ``model``); ``int4-native`` is the
 reference itself."""
+DEPLOYMENT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
 
 class _Strict(BaseModel):
@@ -399,6 +401,20 @@ class Roster(_Strict):
     """How ``/reference`` answers, as that server does (``sandbox/reference_api.py``)."""
     reference_outage: Outage | None = None
     """An outage of the reference mid-run (none by default)."""
+    deployments: dict[str, str] = {}
+    """Other deployments of the model the team runs beside its reference, by name: each
+    precision served as ``/reference`` is, under ``/deployments/<name>`` (e.g. ``{bf16-box:
+    int4-bf16act, coarse: nvfp4}``: a second reference on other hardware, a coarse build)."""
+
+    @field_validator("deployments")
+    @classmethod
+    def _deployments(cls, deployments: dict[str, str]) -> dict[str, str]:
+        for name, precision in deployments.items():
+            if not DEPLOYMENT_NAME.fullmatch(name):
+                raise ValueError(f"deployment name {name!r} must be lower-case letters, digits and dashes (a URL segment)")
+            if precision not in PRECISIONS:
+                raise ValueError(f"deployment {name}: unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+        return deployments
 
     @field_validator("providers")
     @classmethod

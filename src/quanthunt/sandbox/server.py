@@ -180,6 +180,10 @@ class SandboxProcess(ChildServer):
     def reference_url(self) -> str:
         return f"{self.url}/reference/v1"
 
+    def deployment_url(self, name: str) -> str:
+        """The API of the roster's deployment ``name`` (served as the reference is)."""
+        return f"{self.url}/deployments/{name}/v1"
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
