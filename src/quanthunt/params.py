@@ -371,11 +371,11 @@ class Decision(_Section):
     """Share of a coarse precision's completions flagged extreme in logprob mode (measured
     by ``benchmarks/verify_power.py`` on NVFP4: the lower end of its 95 % interval)."""
     mixture_detection_sample: float = Field(gt=0, le=1)
+    """The same in sample mode (rank z beyond ``sample_tail_z``)."""
     mixture_detection_tokens: int = Field(ge=1)
     """The probe length (``probes.max_tokens``) both rates were measured at: shorter probes
     flag fewer coarse completions, so the stage refuses them until the rates are measured
     again (``benchmarks/verify_power.py --tokens``)."""
-    """The same in sample mode (rank z beyond ``sample_tail_z``)."""
     max_failed_share: float = Field(ge=0, le=1)
     """More failed probe requests than this makes a provider inconclusive."""
 

@@ -1,0 +1,138 @@
+"""Margins measured on a deployment the team trusts (issue 25): what the verify stage's
+difference tests may assume of a faithful provider, from that deployment's own completions.
+Pure: observations in, margins out.
+
+The shipped ``verify.margin`` values were set on the sandbox's SmolLM2 pools. Each of them
+is a claim about faithful providers: their mean |Δ logprob| is at most ``mean_abs_dlogprob``,
+at most ``tail_p0`` of their completions are beyond ``tail_dlogprob``, at most
+``sample_tail_p0`` have rank z beyond ``sample_tail_z``, and their mean Φ(rank z) lies within
+``sampler_shift`` of ½. A *control* (a second deployment of the reference on other hardware
+or dtype, or the model author's own endpoint), measured exactly as verify measures a
+provider, shows how far a faithful deployment really is: :func:`calibrate` keeps each
+shipped margin where the control's confidence bound is inside it and widens it to that
+bound where it is not, so the null holds for every provider as noisy as the control. It
+never narrows a margin: the shipped values are also the team's tolerance.
+
+The bounds hold jointly at ``confidence`` (Bonferroni over the :data:`BOUNDS` they are):
+Clopper–Pearson for the shares, the betting confidence sequence (``sequential``) for the
+means. A share measured as 0 of 288 still bounds the faithful rate only by 1.0 %: that, not
+the shipped 0.1 %, is what such a calibration establishes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from quanthunt import sequential
+from quanthunt.params import Margins
+
+BOUNDS = 8
+"""The one-sided confidence bounds a calibration takes: mean |Δ| and its extreme share
+(upper), and in each listing the extreme-z share (upper) and mean Φ(z) (lower and upper)."""
+
+MEAN_MARGIN_FACTOR = 2.0
+"""A widened ``mean_abs_dlogprob`` is this many times the control's upper bound, so that a
+provider as noisy as the control can still be shown *below* it (the equivalence test): a
+margin at the bound itself would take thousands of completions. The shipped 0.08 is 2.35
+times bf16 compute's measured 0.034 (``benchmarks/verify_power.py``)."""
+
+_NORMAL = statistics.NormalDist()
+
+
+@dataclass(frozen=True)
+class Faithful:
+    """One control's completions, each measured as verify measures a provider's."""
+
+    name: str
+    shifts: Sequence[float]
+    """Mean |Δ logprob| of each completion against the reference (logprob mode)."""
+    z_listed: Sequence[float]
+    """Rank z of each completion under the reference's top ``verify.probes.top_logprobs``
+    (logprob mode's sampler check)."""
+    z_sample: Sequence[float]
+    """Rank z of each completion under the reference's top 20 (sample mode)."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One margin: what the control measured, its confidence bound, and the margin used."""
+
+    margin: str
+    measured: float
+    bound: float
+    shipped: float
+    used: float
+    n: int
+
+    @property
+    def widened(self) -> bool:
+        return self.used > self.shipped
+
+
+def share_upper(flagged: int, n: int, *, confidence: float) -> float:
+    """One-sided Clopper–Pearson upper bound of a rate seen ``flagged`` times in ``n``."""
+    if n <= 0 or not 0 <= flagged <= n:
+        raise ValueError(f"need 0 ≤ flagged ≤ n and n > 0, got {flagged} of {n}")
+    if flagged == n:
+        return 1.0
+    from scipy import stats as _sps
+
+    return float(_sps.beta.ppf(confidence, flagged + 1, n - flagged))
+
+
+def mean_interval(values: Sequence[float], *, confidence: float) -> tuple[float, float]:
+    """Each side a one-sided ``confidence`` bound of the mean of ``values`` in [0, 1]."""
+    low, high = sequential.confidence_sequence(list(values), alpha=2 * (1 - confidence))
+    return float(low[-1]), float(high[-1])
+
+
+def calibrate(shipped: Margins, control: Faithful, *, confidence: float) -> tuple[Margins, list[Bound]]:
+    """The margins verify should use given ``control``'s completions, and every bound behind them.
+
+    Raises ``ValueError`` when the control is too noisy for the shipped ``tail_dlogprob``
+    (its widened mean margin would reach the extreme threshold): raise ``tail_dlogprob``."""
+    n = len(control.shifts)
+    if n == 0 or len(control.z_listed) != n or len(control.z_sample) != n:
+        raise ValueError(f"control {control.name}: need the same number (> 0) of shifts and rank z, got {n}")
+    each = 1 - (1 - confidence) / BOUNDS
+    tail = shipped.tail_dlogprob
+    clipped = [min(s, tail) / tail for s in control.shifts]
+    _, mean_high = mean_interval(clipped, confidence=each)
+    mean_margin = max(shipped.mean_abs_dlogprob, MEAN_MARGIN_FACTOR * mean_high * tail)
+    if mean_margin >= tail:
+        raise ValueError(
+            f"control {control.name}: its mean |Δ logprob| is bounded by {mean_high * tail:.4g}, so the mean margin "
+            f"would be {mean_margin:.4g}, not below tail_dlogprob {tail:g}: raise verify.margin.tail_dlogprob"
+        )
+    extreme = sum(s > tail for s in control.shifts)
+    tail_p0 = share_upper(extreme, n, confidence=each)
+    bounds = [
+        Bound("mean_abs_dlogprob", statistics.fmean(control.shifts), mean_high * tail, shipped.mean_abs_dlogprob,
+              mean_margin, n),
+        Bound("tail_p0", extreme / n, tail_p0, shipped.tail_p0, max(shipped.tail_p0, tail_p0), n),
+    ]  # fmt: skip
+    shift = shipped.sampler_shift
+    sample_tail_p0 = shipped.sample_tail_p0
+    for listing, zs in (("listed", control.z_listed), ("sample", control.z_sample)):
+        flagged = sum(z > shipped.sample_tail_z for z in zs)
+        upper = share_upper(flagged, n, confidence=each)
+        sample_tail_p0 = max(sample_tail_p0, upper)
+        bounds.append(Bound(f"sample_tail_p0 ({listing})", flagged / n, upper, shipped.sample_tail_p0, sample_tail_p0, n))
+        pits = [_NORMAL.cdf(z) for z in zs]
+        low, high = mean_interval(pits, confidence=each)
+        off = max(high - 0.5, 0.5 - low)
+        shift = max(shift, off)
+        bounds.append(Bound(f"sampler_shift ({listing})", abs(statistics.fmean(pits) - 0.5), off, shipped.sampler_shift,
+                            shift, n))  # fmt: skip
+    used = shipped.model_copy(
+        update={
+            "mean_abs_dlogprob": mean_margin,
+            "tail_p0": max(shipped.tail_p0, tail_p0),
+            "sample_tail_p0": sample_tail_p0,
+            "sampler_shift": shift,
+            "sampler_equivalence": max(shipped.sampler_equivalence, shift),
+        }
+    )
+    return Margins.model_validate(used.model_dump()), bounds

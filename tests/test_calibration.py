@@ -1,0 +1,77 @@
+"""Margins from a control's completions: widened to what was measured, never narrowed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures.params import SHIPPED, changed
+
+from quanthunt.calibration import BOUNDS, MEAN_MARGIN_FACTOR, Faithful, calibrate, mean_interval, share_upper
+
+MARGIN = SHIPPED.verify.margin
+EACH = 1 - 0.05 / BOUNDS
+
+
+def control(shift: float, *, n: int = 288, z_mean: float = 0.0, seed: int = 0) -> Faithful:
+    rng = np.random.default_rng(seed)
+    shifts = np.abs(rng.normal(shift, shift / 3, n)).tolist()
+    return Faithful("box", shifts, rng.normal(z_mean, 1, n).tolist(), rng.normal(z_mean, 1, n).tolist())
+
+
+def test_share_upper_is_clopper_pearson() -> None:
+    assert share_upper(0, 288, confidence=0.95) == pytest.approx(1 - 0.05 ** (1 / 288))  # 0.0103: "0 of 288"
+    assert share_upper(288, 288, confidence=0.95) == 1.0
+    assert 6 / 288 < share_upper(6, 288, confidence=0.95) < 0.045
+    with pytest.raises(ValueError, match="0 ≤ flagged ≤ n"):
+        share_upper(3, 2, confidence=0.95)
+
+
+def test_mean_interval_holds_the_mean_and_narrows_with_n() -> None:
+    rng = np.random.default_rng(1)
+    small = mean_interval(rng.uniform(0.2, 0.4, 50).tolist(), confidence=0.95)
+    large = mean_interval(rng.uniform(0.2, 0.4, 2000).tolist(), confidence=0.95)
+    assert small[0] < 0.3 < small[1] and large[0] < 0.3 < large[1]
+    assert large[1] - large[0] < small[1] - small[0]
+
+
+def test_a_quiet_control_keeps_the_mean_margin_and_bounds_the_unmeasured_shares() -> None:
+    used, bounds = calibrate(MARGIN, control(0.02), confidence=0.95)
+    assert used.mean_abs_dlogprob == MARGIN.mean_abs_dlogprob  # 2 x its bound is below 0.08
+    by_name = {b.margin: b for b in bounds}
+    assert not by_name["mean_abs_dlogprob"].widened and by_name["mean_abs_dlogprob"].bound < MARGIN.mean_abs_dlogprob / 2
+    # no completion beyond the tail, yet 0 of 288 bounds the rate only by ~1.7 % at 1 - 0.05/8, not the shipped 0.1 %
+    assert used.tail_p0 == pytest.approx(share_upper(0, 288, confidence=EACH)) and used.tail_p0 > 10 * MARGIN.tail_p0
+    # an exact sampler's z: ~2.3 % beyond 2, whose upper bound is above the shipped 3.5 %
+    assert used.sample_tail_p0 >= max(by_name["sample_tail_p0 (listed)"].bound, by_name["sample_tail_p0 (sample)"].bound)
+    assert used.sampler_equivalence >= used.sampler_shift >= MARGIN.sampler_shift
+    assert {b.margin for b in bounds} == {
+        "mean_abs_dlogprob", "tail_p0", "sample_tail_p0 (listed)", "sampler_shift (listed)", "sample_tail_p0 (sample)",
+        "sampler_shift (sample)",
+    }  # fmt: skip
+
+
+def test_a_noisy_control_widens_the_mean_margin_to_twice_its_bound() -> None:
+    used, bounds = calibrate(MARGIN, control(0.06), confidence=0.95)
+    (mean,) = (b for b in bounds if b.margin == "mean_abs_dlogprob")
+    assert mean.widened and mean.measured == pytest.approx(0.06, abs=0.005)
+    assert used.mean_abs_dlogprob == pytest.approx(MEAN_MARGIN_FACTOR * mean.bound) and mean.bound > mean.measured
+
+
+def test_a_shifted_sampler_widens_the_sampler_margins() -> None:
+    used, bounds = calibrate(MARGIN, control(0.02, z_mean=0.4), confidence=0.95)
+    shifted = [b for b in bounds if b.margin.startswith("sampler_shift")]
+    assert all(b.widened for b in shifted) and used.sampler_shift == max(b.bound for b in shifted) > 0.1
+    assert used.sample_tail_p0 > 0.06  # z shifted up by 0.4: ~5.5 % beyond 2
+
+
+def test_margins_are_never_narrowed() -> None:
+    wide = changed(MARGIN, tail_p0=0.2, sample_tail_p0=0.3, sampler_shift=0.3, sampler_equivalence=0.4, mean_abs_dlogprob=0.2)
+    used, bounds = calibrate(wide, control(0.02), confidence=0.95)
+    assert used == wide and not any(b.widened for b in bounds)
+
+
+def test_a_control_too_noisy_for_the_tail_threshold_names_the_margin_to_raise() -> None:
+    with pytest.raises(ValueError, match=r"raise verify\.margin\.tail_dlogprob"):
+        calibrate(MARGIN, control(0.2), confidence=0.95)
+    with pytest.raises(ValueError, match="control box: need the same number"):
+        calibrate(MARGIN, Faithful("box", [0.1], [], []), confidence=0.95)
