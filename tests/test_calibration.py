@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 from fixtures.params import SHIPPED, changed
 
-from quanthunt.calibration import BOUNDS, MEAN_MARGIN_FACTOR, Faithful, calibrate, mean_interval, share_upper
+from quanthunt.calibration import (
+    BOUNDS,
+    MEAN_MARGIN_FACTOR,
+    Faithful,
+    calibrate,
+    detection,
+    mean_interval,
+    share_lower,
+    share_upper,
+)
 
 MARGIN = SHIPPED.verify.margin
 EACH = 1 - 0.05 / BOUNDS
@@ -75,3 +84,28 @@ def test_a_control_too_noisy_for_the_tail_threshold_names_the_margin_to_raise() 
         calibrate(MARGIN, control(0.2), confidence=0.95)
     with pytest.raises(ValueError, match="control box: need the same number"):
         calibrate(MARGIN, Faithful("box", [0.1], [], []), confidence=0.95)
+
+
+def test_detection_rates_are_the_coarse_builds_lower_bounds() -> None:
+    rng = np.random.default_rng(2)
+    coarse = Faithful("nvfp4", np.abs(rng.normal(0.6, 0.15, 288)).tolist(), [], rng.normal(1.0, 1.3, 288).tolist())
+    decision = SHIPPED.verify.decision
+    used, bounds = detection(decision, MARGIN, coarse, confidence=0.95)
+    by_name = {b.margin: b for b in bounds}
+    logprob, sample = by_name["mixture_detection_logprob"], by_name["mixture_detection_sample"]
+    assert logprob.measured > 0.9 and logprob.bound < logprob.measured
+    assert (
+        used.mixture_detection_logprob
+        == logprob.bound
+        == pytest.approx(share_lower(round(logprob.measured * 288), 288, confidence=1 - 0.05 / 2))
+    )
+    assert 0.1 < sample.bound < sample.measured < 0.3 and used.mixture_detection_sample == sample.bound  # ~19 % flagged
+    assert used.mixture_share == decision.mixture_share  # nothing else moves
+    with pytest.raises(ValueError, match="never flagged"):
+        detection(decision, MARGIN, Faithful("fp8", [0.01] * 10, [], [0.0] * 10), confidence=0.95)
+
+
+def test_share_lower_is_clopper_pearson() -> None:
+    assert share_lower(0, 50, confidence=0.95) == 0.0
+    assert share_lower(50, 50, confidence=0.95) == pytest.approx(0.05 ** (1 / 50))
+    assert 0.2 < share_lower(100, 288, confidence=0.95) < 100 / 288

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from quanthunt import sequential
-from quanthunt.params import Margins
+from quanthunt.params import Decision, Margins
 
 BOUNDS = 8
 """The one-sided confidence bounds a calibration takes: mean |Δ| and its extreme share
@@ -68,7 +68,8 @@ class Bound:
 
     @property
     def widened(self) -> bool:
-        return self.used > self.shipped
+        """A margin made wider than shipped (for a detection rate: the rate lowered)."""
+        return self.used < self.shipped if self.margin.startswith("mixture_detection") else self.used > self.shipped
 
 
 def share_upper(flagged: int, n: int, *, confidence: float) -> float:
@@ -136,3 +137,39 @@ def calibrate(shipped: Margins, control: Faithful, *, confidence: float) -> tupl
         }
     )
     return Margins.model_validate(used.model_dump()), bounds
+
+
+def share_lower(flagged: int, n: int, *, confidence: float) -> float:
+    """One-sided Clopper–Pearson lower bound of a rate seen ``flagged`` times in ``n``."""
+    if n <= 0 or not 0 <= flagged <= n:
+        raise ValueError(f"need 0 ≤ flagged ≤ n and n > 0, got {flagged} of {n}")
+    if flagged == 0:
+        return 0.0
+    from scipy import stats as _sps
+
+    return float(_sps.beta.ppf(1 - confidence, flagged, n - flagged + 1))
+
+
+def detection(shipped: Decision, margins: Margins, coarse: Faithful, *, confidence: float) -> tuple[Decision, list[Bound]]:
+    """The mixture detection rates measured on a coarse build's completions: the share of
+    them each mode flags extreme under ``margins``, at its lower confidence bound (jointly at
+    ``confidence`` over the two). Replaces the shipped rates, which were measured on
+    SmolLM2's NVFP4: the power behind ``equivalent`` then rests on the team's own model."""
+    n = len(coarse.shifts)
+    if n == 0 or len(coarse.z_sample) != n:
+        raise ValueError(f"coarse build {coarse.name}: need the same number (> 0) of shifts and rank z, got {n}")
+    each = 1 - (1 - confidence) / 2
+    logprob = sum(s > margins.tail_dlogprob for s in coarse.shifts)
+    sample = sum(z > margins.sample_tail_z for z in coarse.z_sample)
+    bounds = [
+        Bound("mixture_detection_logprob", logprob / n, share_lower(logprob, n, confidence=each),
+              shipped.mixture_detection_logprob, 0.0, n),
+        Bound("mixture_detection_sample", sample / n, share_lower(sample, n, confidence=each),
+              shipped.mixture_detection_sample, 0.0, n),
+    ]  # fmt: skip
+    if any(b.bound <= 0 for b in bounds):
+        zero = ", ".join(b.margin for b in bounds if b.bound <= 0)
+        raise ValueError(f"coarse build {coarse.name}: its completions are never flagged ({zero}): no mixture can be caught")
+    bounds = [Bound(b.margin, b.measured, b.bound, b.shipped, b.bound, n) for b in bounds]
+    used = shipped.model_copy(update={b.margin: b.bound for b in bounds})
+    return Decision.model_validate(used.model_dump()), bounds
