@@ -9,6 +9,7 @@ from fixtures.params import SHIPPED, changed
 from quanthunt.calibration import (
     BOUNDS,
     MEAN_MARGIN_FACTOR,
+    TAIL_OVER_MARGIN,
     Faithful,
     calibrate,
     detection,
@@ -79,9 +80,14 @@ def test_margins_are_never_narrowed() -> None:
     assert used == wide and not any(b.widened for b in bounds)
 
 
-def test_a_control_too_noisy_for_the_tail_threshold_names_the_margin_to_raise() -> None:
-    with pytest.raises(ValueError, match=r"raise verify\.margin\.tail_dlogprob"):
-        calibrate(MARGIN, control(0.2), confidence=0.95)
+def test_a_control_noisier_than_the_extreme_threshold_moves_the_threshold_up() -> None:
+    used, bounds = calibrate(MARGIN, control(0.2), confidence=0.95)
+    by_name = {b.margin: b for b in bounds}
+    assert by_name["tail_dlogprob"].widened
+    assert used.tail_dlogprob == pytest.approx(TAIL_OVER_MARGIN * used.mean_abs_dlogprob, rel=0.01)  # bounded until still
+    assert used.tail_dlogprob >= TAIL_OVER_MARGIN * used.mean_abs_dlogprob
+    assert used.mean_abs_dlogprob >= MEAN_MARGIN_FACTOR * by_name["mean_abs_dlogprob"].bound > 0.4  # clipped at the new tail
+    assert used.tail_p0 == by_name["tail_p0"].bound  # the share beyond the new threshold, bounded
     with pytest.raises(ValueError, match="control box: need the same number"):
         calibrate(MARGIN, Faithful("box", [0.1], [], []), confidence=0.95)
 

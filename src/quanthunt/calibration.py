@@ -38,6 +38,13 @@ provider as noisy as the control can still be shown *below* it (the equivalence 
 margin at the bound itself would take thousands of completions. The shipped 0.08 is 2.35
 times bf16 compute's measured 0.034 (``benchmarks/verify_power.py``)."""
 
+TAIL_OVER_MARGIN = 1.25
+"""Where the mean margin is widened past ``tail_dlogprob`` / this, the extreme threshold
+moves up with it (it must stay above the mean margin). Any threshold keeps the error rates,
+since the share beyond it is bounded on the same completions (``tail_p0``) and the
+detection rate measured at it (``detection``); this one is a choice for power, which
+``benchmarks/noisy_faithful.py`` measures."""
+
 _NORMAL = statistics.NormalDist()
 
 
@@ -90,30 +97,28 @@ def mean_interval(values: Sequence[float], *, confidence: float) -> tuple[float,
 
 
 def calibrate(shipped: Margins, control: Faithful, *, confidence: float) -> tuple[Margins, list[Bound]]:
-    """The margins verify should use given ``control``'s completions, and every bound behind them.
-
-    Raises ``ValueError`` when the control is too noisy for the shipped ``tail_dlogprob``
-    (its widened mean margin would reach the extreme threshold): raise ``tail_dlogprob``."""
+    """The margins verify should use given ``control``'s completions, and every bound behind them."""
     n = len(control.shifts)
     if n == 0 or len(control.z_listed) != n or len(control.z_sample) != n:
         raise ValueError(f"control {control.name}: need the same number (> 0) of shifts and rank z, got {n}")
     each = 1 - (1 - confidence) / BOUNDS
-    tail = shipped.tail_dlogprob
-    clipped = [min(s, tail) / tail for s in control.shifts]
-    _, mean_high = mean_interval(clipped, confidence=each)
-    mean_margin = max(shipped.mean_abs_dlogprob, MEAN_MARGIN_FACTOR * mean_high * tail)
+    tail, mean_margin = shipped.tail_dlogprob, shipped.mean_abs_dlogprob
+    for _ in range(20):  # the test clips at the tail, so a wider tail clips less: bound again until it holds still
+        clipped = [min(s, tail) / tail for s in control.shifts]
+        mean_high = mean_interval(clipped, confidence=each)[1] * tail
+        mean_margin = max(shipped.mean_abs_dlogprob, MEAN_MARGIN_FACTOR * mean_high)
+        if mean_margin * TAIL_OVER_MARGIN <= tail:
+            break
+        tail = mean_margin * TAIL_OVER_MARGIN
     if mean_margin >= tail:
-        raise ValueError(
-            f"control {control.name}: its mean |Δ logprob| is bounded by {mean_high * tail:.4g}, so the mean margin "
-            f"would be {mean_margin:.4g}, not below tail_dlogprob {tail:g}: raise verify.margin.tail_dlogprob"
-        )
+        raise ValueError(f"control {control.name}: no extreme threshold above its mean margin {mean_margin:.4g} was found")
+    bounds = [Bound("mean_abs_dlogprob", statistics.fmean(control.shifts), mean_high, shipped.mean_abs_dlogprob, mean_margin, n)]
+    if tail > shipped.tail_dlogprob:
+        # moved up with the mean margin, on the same evidence
+        bounds.append(Bound("tail_dlogprob", statistics.fmean(control.shifts), mean_high, shipped.tail_dlogprob, tail, n))
     extreme = sum(s > tail for s in control.shifts)
     tail_p0 = share_upper(extreme, n, confidence=each)
-    bounds = [
-        Bound("mean_abs_dlogprob", statistics.fmean(control.shifts), mean_high * tail, shipped.mean_abs_dlogprob,
-              mean_margin, n),
-        Bound("tail_p0", extreme / n, tail_p0, shipped.tail_p0, max(shipped.tail_p0, tail_p0), n),
-    ]  # fmt: skip
+    bounds.append(Bound("tail_p0", extreme / n, tail_p0, shipped.tail_p0, max(shipped.tail_p0, tail_p0), n))
     shift = shipped.sampler_shift
     sample_tail_p0 = shipped.sample_tail_p0
     for listing, zs in (("listed", control.z_listed), ("sample", control.z_sample)):
@@ -130,6 +135,7 @@ def calibrate(shipped: Margins, control: Faithful, *, confidence: float) -> tupl
     used = shipped.model_copy(
         update={
             "mean_abs_dlogprob": mean_margin,
+            "tail_dlogprob": tail,
             "tail_p0": max(shipped.tail_p0, tail_p0),
             "sample_tail_p0": sample_tail_p0,
             "sampler_shift": shift,
