@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from quanthunt.probes import probe_seed, select_probes
 from quanthunt.prompts import load_prompts
 from quanthunt.reference import Position
 from quanthunt.sandbox.engine import SamplingRequest
-from quanthunt.sandbox.model import PrecisionStore, cache_root, load_reference
+from quanthunt.sandbox.model import PrecisionStore, cache_root, kv_format, load_reference
 from quanthunt.sandbox.sampler import Sampler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,8 @@ SERVED = {
     "reference samples": Served("int4-native", seed=101),
     "int4-native": Served("int4-native"),
     "int4-bf16act": Served("int4-bf16act"),
+    "int4-fp8kv": Served("int4-fp8kv"),
+    "int4-bf16act-fp8kv": Served("int4-bf16act-fp8kv"),
     "nvfp4": Served("nvfp4"),
     "mxfp4": Served("mxfp4"),
     "int4-g128": Served("int4-g128"),
@@ -105,15 +108,18 @@ def _build(sampler: Sampler, reference: Sampler, prompts: list[tuple[str, list[i
     return items
 
 
-def load_pools(*, prompts: int, per_prompt: int, tokens: int, rebuild: bool = False) -> dict[str, dict[str, list[Item]]]:
-    """Every pool of :data:`SERVED`, grouped by probe: from the cache, else built."""
+def load_pools(
+    *, prompts: int, per_prompt: int, tokens: int, rebuild: bool = False, served: Mapping[str, Served] = SERVED
+) -> dict[str, dict[str, list[Item]]]:
+    """The pools of ``served`` (every one of :data:`SERVED` by default), grouped by probe:
+    from the cache (by name and settings), else built."""
     from quanthunt.params import load_params
 
     folder = cache_root() / "benchmarks"
     folder.mkdir(parents=True, exist_ok=True)
     pools: dict[str, dict[str, list[Item]]] = {}
     built: dict[str, Any] = {}
-    for name, served in SERVED.items():
+    for name, serves in served.items():
         slug = name.replace(" ", "_").replace("+", "p").replace("%", "")
         cached = folder / f"verify-pool-{slug}-p{prompts}-n{per_prompt}-t{tokens}-v{VERSION}.pkl"
         if cached.exists() and not rebuild:
@@ -135,8 +141,9 @@ def load_pools(*, prompts: int, per_prompt: int, tokens: int, rebuild: bool = Fa
                     ],
                 }
             started = time.perf_counter()
-            sampler = Sampler(built["store"].get(served.precision), built["tokenizer"], stop_token_ids=[])
-            items = _build(sampler, built["reference"], built["prompts"], served, per_prompt, tokens)
+            model = built["store"].get(serves.precision)
+            sampler = Sampler(model, built["tokenizer"], stop_token_ids=[], kv_format=kv_format(serves.precision))
+            items = _build(sampler, built["reference"], built["prompts"], serves, per_prompt, tokens)
             cached.write_bytes(pickle.dumps([(i.probe, i.token_ids, i.provider_logprobs, i.reference) for i in items]))
             print(f"pool {name}: {len(items)} completions in {time.perf_counter() - started:.0f} s", flush=True)
         grouped: dict[str, list[Item]] = {}

@@ -1,0 +1,179 @@
+"""Verify on faithful deployments noisier than the shipped margins assume: shipped against calibrated margins.
+
+Usage: ``.venv/bin/python benchmarks/noisy_faithful.py [--seeds 200] [--providers 8]``
+
+Every level serves the reference's own weights, so a right verdict is never ``different``;
+what changes is the arithmetic of the deployment, each a real serving option:
+
+- ``int4-native``: the reference itself (fp32 compute): no noise at all;
+- ``int4-bf16act``: bf16 compute, the noise the shipped margins were set to admit;
+- ``int4-fp8kv``: fp32 compute, keys and values stored as vLLM's ``--kv-cache-dtype fp8``
+  stores them with its default scales (1.0);
+- ``int4-bf16act-fp8kv``: both.
+
+Pools come from ``power_pools.py`` (24 probes x 12 completions of 64 tokens, cached). Each
+is split by completion: the first ``--control`` of every probe are the *control* (a second
+deployment the team trusts, measured once), the rest the *provider*, independent draws of
+the same deployment. ``quanthunt.calibration.calibrate`` turns the control's completions
+into margins; the verify stage's sequential audit is then replayed ``--seeds`` times per
+mode on the provider's, with the shipped margins (measured on the sandbox's SmolLM2 pools)
+and with the calibrated ones, and against NVFP4, a 20 % NVFP4 mixture and temperature ±0.1
+with the calibrated ones (their power). The calibrated runs also take their mixture
+detection rates from NVFP4's control half (``calibration.detection``) instead of the
+shipped SmolLM2 ones. It prints the
+per-completion observations, each level's calibrated margins, and per row the shares found
+different / equivalent / inconclusive and the median completions used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from power_pools import SERVED, Item, load_pools
+from verify_power import Scores, draws, sequential
+
+from quanthunt.calibration import Faithful, calibrate, detection
+from quanthunt.params import Params, load_params
+
+ROOT = Path(__file__).resolve().parents[1]
+LEVELS = ("int4-native", "int4-bf16act", "int4-fp8kv", "int4-bf16act-fp8kv")
+COARSE = ("nvfp4", "20% nvfp4", "temperature +0.1", "temperature -0.1")
+CONFIDENCE = 0.95
+POOLS = ("int4-native", "int4-fp8kv", "nvfp4", "int4-bf16act", "int4-bf16act-fp8kv", "temperature +0.1", "temperature -0.1")
+"""Built in this order (the most telling first: each takes minutes on 2 cores)."""
+
+Pool = dict[str, list[Item]]
+
+
+def split(pool: Pool, control: int) -> tuple[Pool, Pool]:
+    """Each probe's first ``control`` completions, and the rest."""
+    return {p: items[:control] for p, items in pool.items()}, {p: items[control:] for p, items in pool.items()}
+
+
+def faithful(name: str, pool: Pool, scores: Scores) -> Faithful:
+    shift, z5, z20 = zip(*(scores(item) for group in pool.values() for item in group), strict=True)
+    return Faithful(name, list(shift), list(z5), list(z20))
+
+
+def replay(
+    name: str, pools: dict[str, Pool], scores: Scores, params: Params, args: argparse.Namespace
+) -> dict[str, tuple[Counter[str], list[int]]]:
+    """Per mode: the verdicts of ``--seeds`` replays of the audit of ``name`` and the completions each used."""
+    out = {}
+    for mode in ("logprob", "sample"):
+        tally: Counter[str] = Counter()
+        used = []
+        for seed in range(args.seeds):
+            rng = random.Random(f"{seed}:{name}:{mode}")
+            if name.endswith("% nvfp4"):
+                queues = draws(pools["int4-native"], pools["nvfp4"], int(name.split("%", maxsplit=1)[0]) / 100, rng)
+            else:
+                queues = draws(pools[name], None, 0.0, rng)
+            verdict, n, _, _ = sequential(mode, queues, scores, params, args.providers, rng)
+            tally[verdict] += 1
+            used.append(n)
+        out[mode] = (tally, used)
+    return out
+
+
+def row(label: str, mode: str, tally: Counter[str], used: list[int]) -> str:
+    n = sum(tally.values())
+    return (
+        f"{mode:<9}{label:<47}{tally['different'] / n:>10.3f}{tally['equivalent'] / n:>11.3f}"
+        f"{tally['inconclusive'] / n:>9.3f}{statistics.median(used):>9.0f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=200)
+    parser.add_argument("--providers", type=int, default=8, help="providers in the correction family (the default roster's 8)")
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--pool", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--control", type=int, default=6, help="completions of each probe that are the control's")
+    parser.add_argument("--pools", nargs="+", choices=POOLS, default=list(POOLS), help="build and use only these (nvfp4 needed)")
+    args = parser.parse_args()
+    params = load_params(ROOT / "params.yaml")
+    shipped = params.verify.margin
+    if "nvfp4" not in args.pools:
+        parser.error("--pools needs nvfp4: the calibrated rows take their detection rates from it")
+    built = load_pools(prompts=args.prompts, per_prompt=args.pool, tokens=args.tokens, served={n: SERVED[n] for n in args.pools})
+    levels = [level for level in LEVELS if level in built]
+    subjects = [c for c in COARSE if c in built or (c.endswith("% nvfp4") and "int4-native" in built)]
+    pools: dict[str, Pool] = {}
+    controls: dict[str, Pool] = {}
+    for name, pool in built.items():
+        controls[name], pools[name] = split(pool, args.control)
+    scores = Scores()
+    norm = statistics.NormalDist()
+
+    print(f"\nPer-completion observations ({args.prompts} probes x {args.control} control / {args.pool - args.control} "
+          f"provider completions of {args.tokens} tokens):")  # fmt: skip
+    print(f"{'pool':<28}{'mean |Δ|':>10}{'|Δ|>tail':>10}{'Φ(z) top5':>11}{'z5>2':>7}{'Φ(z) top20':>12}{'z20>2':>7}")
+    for name, pool in ((f"{n} {half}", halves[n]) for n in (*levels, "nvfp4") for half, halves in
+                       (("provider", pools), ("control", controls))):  # fmt: skip
+        shift, z5, z20 = (np.array(column) for column in zip(*(scores(i) for g in pool.values() for i in g), strict=True))
+        pit5, pit20 = (np.array([norm.cdf(z) for z in zs]) for zs in (z5, z20))
+        print(
+            f"{name:<28}{shift.mean():>10.4f}{np.mean(shift > shipped.tail_dlogprob):>10.3f}"
+            f"{pit5.mean():>11.3f}{np.mean(z5 > shipped.sample_tail_z):>7.3f}"
+            f"{pit20.mean():>12.3f}{np.mean(z20 > shipped.sample_tail_z):>7.3f}"
+        )
+
+    calibrated: dict[str, Params] = {}
+    coarse = faithful("nvfp4 control", controls["nvfp4"], scores)
+    fields = ("mean_abs_dlogprob", "tail_dlogprob", "tail_p0", "sample_tail_p0", "sampler_shift")
+    rates = ("mixture_detection_logprob", "mixture_detection_sample")
+    print("\nMargins, shipped and calibrated on each level's control half, and the mixture detection rates at them,")
+    print(f"measured on NVFP4's control half (every bound jointly at {CONFIDENCE}; a rate's measured share in brackets):")
+    print(f"{'':<20}" + "".join(f"{f:>19}" for f in fields) + "".join(f"{r.removeprefix('mixture_'):>26}" for r in rates))
+    d = params.verify.decision
+    print(f"{'shipped':<20}" + "".join(f"{getattr(shipped, f):>19.4g}" for f in fields)
+          + "".join(f"{getattr(d, r):>26.4g}" for r in rates))  # fmt: skip
+    for level in levels:
+        margins, _ = calibrate(shipped, faithful(level, controls[level], scores), confidence=CONFIDENCE)
+        try:
+            decision, bounds = detection(d, margins, coarse, confidence=CONFIDENCE)
+            shown = "".join(f"{f'{b.bound:.4g} ({b.measured:.3f})':>26}" for b in bounds)
+        except ValueError as exc:  # a pool too small to flag any coarse completion: keep the shipped rates, say so
+            decision, shown = d, f"  shipped rates kept: {exc}"
+        verify = params.verify.model_copy(update={"margin": margins, "decision": decision})
+        calibrated[level] = params.model_copy(update={"verify": verify})
+        print(f"{level:<20}" + "".join(f"{getattr(margins, f):>19.4g}" for f in fields) + shown)
+
+    started = time.perf_counter()
+    lines = []
+    for level in levels:
+        for label, p in (("shipped", params), ("calibrated", calibrated[level])):
+            for mode, (tally, used) in replay(level, pools, scores, p, args).items():
+                lines.append(row(f"{level}, {label} margins", mode, tally, used))
+    for level in levels:
+        for subject in subjects:
+            for mode, (tally, used) in replay(subject, pools, scores, calibrated[level], args).items():
+                lines.append(row(f"{subject}, margins of {level}", mode, tally, used))
+    v = params.verify
+    print(
+        f"\nVerify replayed {args.seeds} times a row (alpha {v.decision.alpha}, Holm across {args.providers} providers; "
+        f"rounds of {v.probes.prompts} prompts up to {v.max_probes_per_provider}; {time.perf_counter() - started:.0f} s). "
+        "The levels are faithful ('different' is a false positive); the rest should be found different (power)."
+    )
+    print(f"{'mode':<9}{'audited':<47}{'different':>10}{'equivalent':>11}{'inconcl.':>9}{'median n':>9}")
+    print("\n".join(lines))
+    print(
+        "  (a replay draws each probe's completions from its provider half in a new order, so a row measures that half as much "
+        "as the deployment; the int4-native and int4-bf16act pools are the ones the shipped margins were set on)"
+    )
+
+
+if __name__ == "__main__":
+    import torch
+
+    torch.set_num_threads(2)
+    main()
