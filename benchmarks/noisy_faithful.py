@@ -34,9 +34,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 from power_pools import SERVED, Item, load_pools
-from verify_power import Scores, draws, sequential
+from verify_power import OBSERVATIONS_HEADER, Scores, observations, queues_of, sequential
 
 from quanthunt.calibration import Faithful, calibrate, detection
 from quanthunt.params import Params, load_params
@@ -71,11 +70,7 @@ def replay(
         used = []
         for seed in range(args.seeds):
             rng = random.Random(f"{seed}:{name}:{mode}")
-            if name.endswith("% nvfp4"):
-                queues = draws(pools["int4-native"], pools["nvfp4"], int(name.split("%", maxsplit=1)[0]) / 100, rng)
-            else:
-                queues = draws(pools[name], None, 0.0, rng)
-            verdict, n, _, _ = sequential(mode, queues, scores, params, args.providers, rng)
+            verdict, n, _, _ = sequential(mode, queues_of(name, pools, rng), scores, params, args.providers, rng)
             tally[verdict] += 1
             used.append(n)
         out[mode] = (tally, used)
@@ -112,20 +107,13 @@ def main() -> None:
     for name, pool in built.items():
         controls[name], pools[name] = split(pool, args.control)
     scores = Scores()
-    norm = statistics.NormalDist()
 
     print(f"\nPer-completion observations ({args.prompts} probes x {args.control} control / {args.pool - args.control} "
           f"provider completions of {args.tokens} tokens):")  # fmt: skip
-    print(f"{'pool':<28}{'mean |Δ|':>10}{'|Δ|>tail':>10}{'Φ(z) top5':>11}{'z5>2':>7}{'Φ(z) top20':>12}{'z20>2':>7}")
-    for name, pool in ((f"{n} {half}", halves[n]) for n in (*levels, "nvfp4") for half, halves in
-                       (("provider", pools), ("control", controls))):  # fmt: skip
-        shift, z5, z20 = (np.array(column) for column in zip(*(scores(i) for g in pool.values() for i in g), strict=True))
-        pit5, pit20 = (np.array([norm.cdf(z) for z in zs]) for zs in (z5, z20))
-        print(
-            f"{name:<28}{shift.mean():>10.4f}{np.mean(shift > shipped.tail_dlogprob):>10.3f}"
-            f"{pit5.mean():>11.3f}{np.mean(z5 > shipped.sample_tail_z):>7.3f}"
-            f"{pit20.mean():>12.3f}{np.mean(z20 > shipped.sample_tail_z):>7.3f}"
-        )
+    print(f"{'pool':<28}{OBSERVATIONS_HEADER}")
+    for name in (*levels, "nvfp4"):
+        for half, halves in (("provider", pools), ("control", controls)):
+            print(f"{f'{name} {half}':<28}{observations(halves[name], scores, shipped)}")
 
     calibrated: dict[str, Params] = {}
     coarse = faithful("nvfp4 control", controls["nvfp4"], scores)

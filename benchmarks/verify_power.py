@@ -39,7 +39,7 @@ from power_pools import SERVED, Item, load_pools
 from quanthunt import distances, stats
 from quanthunt.decision import Subject, judge
 from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, rank_z
-from quanthunt.params import Params, load_params
+from quanthunt.params import Margins, Params, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 FAITHFUL = ("int4-native", "int4-bf16act")
@@ -94,6 +94,14 @@ def draws(pool: dict[str, list[Item]], mixed: dict[str, list[Item]] | None, shar
             items = [o if rng.random() < share else i for i, o in zip(items, other, strict=True)]
         out.append(items)
     return out
+
+
+def queues_of(name: str, pools: dict[str, dict[str, list[Item]]], rng: random.Random) -> list[list[Item]]:
+    """The completions a replay of ``name`` draws: its pool, or for ``"<k>% nvfp4"`` the
+    reference's with each slot NVFP4's with probability k %."""
+    if name.endswith("% nvfp4"):
+        return draws(pools["int4-native"], pools["nvfp4"], int(name.split("%", maxsplit=1)[0]) / 100, rng)
+    return draws(pools[name], None, 0.0, rng)
 
 
 def sequential(
@@ -171,20 +179,28 @@ def mmd_rejects(audit: Audit, reference: dict[str, list[Item]], params: Params, 
     return test.pvalue * providers < params.verify.decision.alpha
 
 
+OBSERVATIONS_HEADER = f"{'mean |Δ|':>10}{'|Δ|>tail':>10}{'Φ(z) top5':>11}{'z5>2':>7}{'Φ(z) top20':>12}{'z20>2':>7}"
+
+
+def observations(pool: dict[str, list[Item]], scores: Scores, m: Margins) -> str:
+    """A pool's per-completion observations, as columns under :data:`OBSERVATIONS_HEADER`."""
+    norm = statistics.NormalDist()
+    items = [i for group in pool.values() for i in group]
+    shift, z5, z20 = (np.array(column) for column in zip(*(scores(i) for i in items), strict=True))
+    pit5, pit20 = (np.array([norm.cdf(z) for z in zs]) for zs in (z5, z20))
+    return (
+        f"{shift.mean():>10.4f}{np.mean(shift > m.tail_dlogprob):>10.3f}"
+        f"{pit5.mean():>11.3f}{np.mean(z5 > m.sample_tail_z):>7.3f}"
+        f"{pit20.mean():>12.3f}{np.mean(z20 > m.sample_tail_z):>7.3f}"
+    )
+
+
 def calibration(pools: dict[str, dict[str, list[Item]]], scores: Scores, params: Params) -> None:
     m = params.verify.margin
-    norm = statistics.NormalDist()
     print("\nPer-completion observations (all 288 pooled completions of each; 64 tokens):")
-    print(f"{'served':<20}{'mean |Δ|':>10}{'|Δ|>tail':>10}{'Φ(z) top5':>11}{'z5>2':>7}{'Φ(z) top20':>12}{'z20>2':>7}")
+    print(f"{'served':<20}{OBSERVATIONS_HEADER}")
     for name in SERVED:
-        items = [i for group in pools[name].values() for i in group]
-        shift, z5, z20 = (np.array(column) for column in zip(*(scores(i) for i in items), strict=True))
-        pit5, pit20 = (np.array([norm.cdf(z) for z in zs]) for zs in (z5, z20))
-        print(
-            f"{name:<20}{shift.mean():>10.4f}{np.mean(shift > m.tail_dlogprob):>10.3f}"
-            f"{pit5.mean():>11.3f}{np.mean(z5 > m.sample_tail_z):>7.3f}"
-            f"{pit20.mean():>12.3f}{np.mean(z20 > m.sample_tail_z):>7.3f}"
-        )
+        print(f"{name:<20}{observations(pools[name], scores, m)}")
     print(
         "  (margins: mean |Δ| ≤ "
         f"{m.mean_abs_dlogprob}, extreme beyond {m.tail_dlogprob}; |Φ(z) − ½| ≤ {m.sampler_shift}, equivalence within "
@@ -215,11 +231,7 @@ def main() -> None:
         for name in SUBJECTS:
             for mode in ("logprob", "sample"):
                 rng = random.Random(f"{seed}:{name}:{mode}")
-                if name.endswith("% nvfp4"):
-                    share = int(name.split("%")[0]) / 100
-                    queues = draws(pools["int4-native"], pools["nvfp4"], share, rng)
-                else:
-                    queues = draws(pools[name], None, 0.0, rng)
+                queues = queues_of(name, pools, rng)
                 verdict, used, audit, first = sequential(mode, queues, scores, params, args.providers, rng)
                 key = (mode, name)
                 tally[key][verdict] += 1

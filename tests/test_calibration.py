@@ -14,8 +14,7 @@ from quanthunt.calibration import (
     calibrate,
     detection,
     mean_interval,
-    share_lower,
-    share_upper,
+    share_interval,
 )
 
 MARGIN = SHIPPED.verify.margin
@@ -28,12 +27,14 @@ def control(shift: float, *, n: int = 288, z_mean: float = 0.0, seed: int = 0) -
     return Faithful("box", shifts, rng.normal(z_mean, 1, n).tolist(), rng.normal(z_mean, 1, n).tolist())
 
 
-def test_share_upper_is_clopper_pearson() -> None:
-    assert share_upper(0, 288, confidence=0.95) == pytest.approx(1 - 0.05 ** (1 / 288))  # 0.0103: "0 of 288"
-    assert share_upper(288, 288, confidence=0.95) == 1.0
-    assert 6 / 288 < share_upper(6, 288, confidence=0.95) < 0.045
+def test_share_interval_is_one_sided_clopper_pearson() -> None:
+    assert share_interval(0, 288, confidence=0.95) == (0.0, pytest.approx(1 - 0.05 ** (1 / 288)))  # 0.0103: "0 of 288"
+    assert share_interval(50, 50, confidence=0.95) == (pytest.approx(0.05 ** (1 / 50)), 1.0)
+    low, high = share_interval(6, 288, confidence=0.95)
+    assert low < 6 / 288 < high < 0.045
+    assert 0.2 < share_interval(100, 288, confidence=0.95)[0] < 100 / 288
     with pytest.raises(ValueError, match="0 ≤ flagged ≤ n"):
-        share_upper(3, 2, confidence=0.95)
+        share_interval(3, 2, confidence=0.95)
 
 
 def test_mean_interval_holds_the_mean_and_narrows_with_n() -> None:
@@ -50,7 +51,7 @@ def test_a_quiet_control_keeps_the_mean_margin_and_bounds_the_unmeasured_shares(
     by_name = {b.margin: b for b in bounds}
     assert not by_name["mean_abs_dlogprob"].widened and by_name["mean_abs_dlogprob"].bound < MARGIN.mean_abs_dlogprob / 2
     # no completion beyond the tail, yet 0 of 288 bounds the rate only by ~1.7 % at 1 - 0.05/8, not the shipped 0.1 %
-    assert used.tail_p0 == pytest.approx(share_upper(0, 288, confidence=EACH)) and used.tail_p0 > 10 * MARGIN.tail_p0
+    assert used.tail_p0 == pytest.approx(share_interval(0, 288, confidence=EACH)[1]) and used.tail_p0 > 10 * MARGIN.tail_p0
     # an exact sampler's z: ~2.3 % beyond 2, whose upper bound is above the shipped 3.5 %
     assert used.sample_tail_p0 >= max(by_name["sample_tail_p0 (listed)"].bound, by_name["sample_tail_p0 (sample)"].bound)
     assert used.sampler_equivalence >= used.sampler_shift >= MARGIN.sampler_shift
@@ -90,6 +91,8 @@ def test_a_control_noisier_than_the_extreme_threshold_moves_the_threshold_up() -
     assert used.tail_p0 == by_name["tail_p0"].bound  # the share beyond the new threshold, bounded
     with pytest.raises(ValueError, match="control box: need the same number"):
         calibrate(MARGIN, Faithful("box", [0.1], [], []), confidence=0.95)
+    with pytest.raises(ValueError, match=r"control box: 6 completions bound .* measure more completions"):
+        calibrate(MARGIN, control(0.0, n=6), confidence=0.95)  # no noise, but too few to bound it
 
 
 def test_detection_rates_are_the_coarse_builds_lower_bounds() -> None:
@@ -103,15 +106,10 @@ def test_detection_rates_are_the_coarse_builds_lower_bounds() -> None:
     assert (
         used.mixture_detection_logprob
         == logprob.bound
-        == pytest.approx(share_lower(round(logprob.measured * 288), 288, confidence=1 - 0.05 / 2))
+        == pytest.approx(share_interval(round(logprob.measured * 288), 288, confidence=1 - 0.05 / 2)[0])
     )
     assert 0.1 < sample.bound < sample.measured < 0.3 and used.mixture_detection_sample == sample.bound  # ~19 % flagged
+    assert sample.widened  # a lower detection rate than shipped claims less power: looser
     assert used.mixture_share == decision.mixture_share  # nothing else moves
     with pytest.raises(ValueError, match="never flagged"):
         detection(decision, MARGIN, Faithful("fp8", [0.01] * 10, [], [0.0] * 10), confidence=0.95)
-
-
-def test_share_lower_is_clopper_pearson() -> None:
-    assert share_lower(0, 50, confidence=0.95) == 0.0
-    assert share_lower(50, 50, confidence=0.95) == pytest.approx(0.05 ** (1 / 50))
-    assert 0.2 < share_lower(100, 288, confidence=0.95) < 100 / 288

@@ -15,8 +15,8 @@ never narrows a margin: the shipped values are also the team's tolerance.
 
 The bounds hold jointly at ``confidence`` (Bonferroni over the :data:`BOUNDS` they are):
 Clopper–Pearson for the shares, the betting confidence sequence (``sequential``) for the
-means. A share measured as 0 of 288 still bounds the faithful rate only by 1.0 %: that, not
-the shipped 0.1 %, is what such a calibration establishes.
+means. A share measured as 0 of 288 bounds the faithful rate only by 1.0 % at 95 % (1.7 %
+as one of a calibration's 8 bounds): that, not the shipped 0.1 %, is what it establishes.
 """
 
 from __future__ import annotations
@@ -72,22 +72,24 @@ class Bound:
     shipped: float
     used: float
     n: int
+    lower_is_looser: bool = False
+    """For a detection rate: claiming less detection is the cautious way."""
 
     @property
     def widened(self) -> bool:
-        """A margin made wider than shipped (for a detection rate: the rate lowered)."""
-        return self.used < self.shipped if self.margin.startswith("mixture_detection") else self.used > self.shipped
+        """Whether calibration loosened what the shipped value assumed."""
+        return self.used < self.shipped if self.lower_is_looser else self.used > self.shipped
 
 
-def share_upper(flagged: int, n: int, *, confidence: float) -> float:
-    """One-sided Clopper–Pearson upper bound of a rate seen ``flagged`` times in ``n``."""
+def share_interval(flagged: int, n: int, *, confidence: float) -> tuple[float, float]:
+    """Each side a one-sided ``confidence`` Clopper–Pearson bound of a rate seen ``flagged``
+    times in ``n`` (the exact two-sided interval at ``2 * confidence - 1``)."""
     if n <= 0 or not 0 <= flagged <= n:
         raise ValueError(f"need 0 ≤ flagged ≤ n and n > 0, got {flagged} of {n}")
-    if flagged == n:
-        return 1.0
-    from scipy import stats as _sps
+    from scipy.stats import binomtest
 
-    return float(_sps.beta.ppf(confidence, flagged + 1, n - flagged))
+    interval = binomtest(flagged, n).proportion_ci(confidence_level=2 * confidence - 1, method="exact")
+    return float(interval.low), float(interval.high)
 
 
 def mean_interval(values: Sequence[float], *, confidence: float) -> tuple[float, float]:
@@ -102,28 +104,32 @@ def calibrate(shipped: Margins, control: Faithful, *, confidence: float) -> tupl
     if n == 0 or len(control.z_listed) != n or len(control.z_sample) != n:
         raise ValueError(f"control {control.name}: need the same number (> 0) of shifts and rank z, got {n}")
     each = 1 - (1 - confidence) / BOUNDS
-    tail, mean_margin = shipped.tail_dlogprob, shipped.mean_abs_dlogprob
+    tail = shipped.tail_dlogprob
     for _ in range(20):  # the test clips at the tail, so a wider tail clips less: bound again until it holds still
         clipped = [min(s, tail) / tail for s in control.shifts]
-        mean_high = mean_interval(clipped, confidence=each)[1] * tail
+        fraction = mean_interval(clipped, confidence=each)[1]
+        mean_high = fraction * tail
         mean_margin = max(shipped.mean_abs_dlogprob, MEAN_MARGIN_FACTOR * mean_high)
         if mean_margin * TAIL_OVER_MARGIN <= tail:
             break
         tail = mean_margin * TAIL_OVER_MARGIN
-    if mean_margin >= tail:
-        raise ValueError(f"control {control.name}: no extreme threshold above its mean margin {mean_margin:.4g} was found")
+    else:  # each wider threshold widened the bound as much: too few completions to bound the mean
+        raise ValueError(
+            f"control {control.name}: {n} completions bound its mean |Δ logprob| only by {fraction:.2f} of any extreme "
+            "threshold: measure more completions"
+        )
     bounds = [Bound("mean_abs_dlogprob", statistics.fmean(control.shifts), mean_high, shipped.mean_abs_dlogprob, mean_margin, n)]
     if tail > shipped.tail_dlogprob:
         # moved up with the mean margin, on the same evidence
         bounds.append(Bound("tail_dlogprob", statistics.fmean(control.shifts), mean_high, shipped.tail_dlogprob, tail, n))
     extreme = sum(s > tail for s in control.shifts)
-    tail_p0 = share_upper(extreme, n, confidence=each)
+    tail_p0 = share_interval(extreme, n, confidence=each)[1]
     bounds.append(Bound("tail_p0", extreme / n, tail_p0, shipped.tail_p0, max(shipped.tail_p0, tail_p0), n))
     shift = shipped.sampler_shift
     sample_tail_p0 = shipped.sample_tail_p0
     for listing, zs in (("listed", control.z_listed), ("sample", control.z_sample)):
         flagged = sum(z > shipped.sample_tail_z for z in zs)
-        upper = share_upper(flagged, n, confidence=each)
+        upper = share_interval(flagged, n, confidence=each)[1]
         sample_tail_p0 = max(sample_tail_p0, upper)
         bounds.append(Bound(f"sample_tail_p0 ({listing})", flagged / n, upper, shipped.sample_tail_p0, sample_tail_p0, n))
         pits = [_NORMAL.cdf(z) for z in zs]
@@ -145,17 +151,6 @@ def calibrate(shipped: Margins, control: Faithful, *, confidence: float) -> tupl
     return Margins.model_validate(used.model_dump()), bounds
 
 
-def share_lower(flagged: int, n: int, *, confidence: float) -> float:
-    """One-sided Clopper–Pearson lower bound of a rate seen ``flagged`` times in ``n``."""
-    if n <= 0 or not 0 <= flagged <= n:
-        raise ValueError(f"need 0 ≤ flagged ≤ n and n > 0, got {flagged} of {n}")
-    if flagged == 0:
-        return 0.0
-    from scipy import stats as _sps
-
-    return float(_sps.beta.ppf(1 - confidence, flagged, n - flagged + 1))
-
-
 def detection(shipped: Decision, margins: Margins, coarse: Faithful, *, confidence: float) -> tuple[Decision, list[Bound]]:
     """The mixture detection rates measured on a coarse build's completions: the share of
     them each mode flags extreme under ``margins``, at its lower confidence bound (jointly at
@@ -168,14 +163,14 @@ def detection(shipped: Decision, margins: Margins, coarse: Faithful, *, confiden
     logprob = sum(s > margins.tail_dlogprob for s in coarse.shifts)
     sample = sum(z > margins.sample_tail_z for z in coarse.z_sample)
     bounds = [
-        Bound("mixture_detection_logprob", logprob / n, share_lower(logprob, n, confidence=each),
+        Bound("mixture_detection_logprob", logprob / n, share_interval(logprob, n, confidence=each)[0],
               shipped.mixture_detection_logprob, 0.0, n),
-        Bound("mixture_detection_sample", sample / n, share_lower(sample, n, confidence=each),
+        Bound("mixture_detection_sample", sample / n, share_interval(sample, n, confidence=each)[0],
               shipped.mixture_detection_sample, 0.0, n),
     ]  # fmt: skip
     if any(b.bound <= 0 for b in bounds):
         zero = ", ".join(b.margin for b in bounds if b.bound <= 0)
         raise ValueError(f"coarse build {coarse.name}: its completions are never flagged ({zero}): no mixture can be caught")
-    bounds = [Bound(b.margin, b.measured, b.bound, b.shipped, b.bound, n) for b in bounds]
+    bounds = [Bound(b.margin, b.measured, b.bound, b.shipped, b.bound, n, lower_is_looser=True) for b in bounds]
     used = shipped.model_copy(update={b.margin: b.bound for b in bounds})
     return Decision.model_validate(used.model_dump()), bounds
