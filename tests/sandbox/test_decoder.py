@@ -123,6 +123,7 @@ def test_an_fp8_kv_cache_rounds_every_key_and_value_and_stays_close(reference: t
         whole, _ = fp8.extend([None] * len(sequences), sequences)
         exact, _ = Decoder(model).extend([None] * len(sequences), sequences)
         step_kls: list[float] = []
+        format_kls: list[float] = []
         for row, sequence in enumerate(sequences):
             n = len(sequence)
             forced = torch.log_softmax(whole[row, n - 4 : n], dim=-1)  # after each of the 4 stepped tokens
@@ -133,6 +134,11 @@ def test_an_fp8_kv_cache_rounds_every_key_and_value_and_stays_close(reference: t
             kl = (theirs.exp() * (theirs - ours)).sum(-1)
             # measured 0.014-0.020 on these prompts: ten times bf16 compute's 1.2e-3
             assert 1e-3 < kl.mean().item() < 0.05, f"row {row}: mean KL {kl.mean().item()}"
-        # The same computation both ways, up to fp32 rounding that sometimes moves a key across
-        # an E4M3 rounding boundary (measured: 9 of 12 steps below 1e-6, the largest 2e-3).
-        assert max(step_kls) < 0.01 and sorted(step_kls)[len(step_kls) // 2] < 1e-5, step_kls
+            format_kls.append(kl.mean().item())
+        # The same computation both ways, up to fp32 rounding that moves a key across an E4M3
+        # rounding boundary now and then: how often depends on the machine's kernels (measured on
+        # one: 9 of 12 steps below 1e-6, the largest 2e-3; on another, an AMD EPYC on 2026-12-06:
+        # median 2.5e-4, the largest 2.3e-3).
+        # A step that skipped the format would be off by the format's own KL (~0.015).
+        mean_step = sum(step_kls) / len(step_kls)
+        assert max(step_kls) < 0.01 and mean_step < 0.1 * min(format_kls), (step_kls, format_kls)
