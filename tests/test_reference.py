@@ -14,6 +14,7 @@ from fixtures.sandbox import provider, roster_dict
 from starlette.testclient import TestClient
 
 from quanthunt.reference import PARTIAL, Capabilities, Reference, ReferenceDown, ReferenceUnusable, Scored
+from quanthunt.replies import ChatReply
 
 VLLM = recorded("vllm")
 
@@ -174,3 +175,26 @@ def test_sglang_flavour_tokenizes_chats_through_the_chat_route_and_scores_with_o
     assert (vllm.score_max_tokens, vllm.token_ids, vllm.chat_ids_from_tokenize) == (0, True, True)
     assert sglang.tokenize_url.endswith("/reference/tokenize") and vllm.tokenize_url.endswith("/reference/tokenize")
     assert sglang_ids == vllm_ids
+
+
+def test_the_servers_version_and_a_controls_chat_reply_are_read_as_vllm_answers_them() -> None:
+    """``GET /version`` names vLLM's release (what a calibration is keyed by; ``unknown``
+    where a server has no such route), and a chat completion with top logprobs parses as a
+    provider's reply does: the sampled tokens with their alternatives."""
+
+    async def go() -> tuple[str, ChatReply, str]:
+        async with (
+            vllm_reference() as ref,
+            Reference(
+                "http://127.0.0.1:9/v1", transport=httpx.MockTransport(lambda _: httpx.Response(404, text="Not Found"))
+            ) as other,
+        ):
+            reply = await ref.chat(VLLM["chat-top5"]["request"]["body"]["messages"], max_tokens=24, temperature=1.0,
+                                   seed=7, top_logprobs=5)  # fmt: skip
+            return await ref.server_version(), reply, await other.server_version()
+
+    version, reply, other = asyncio.run(go())
+    assert version == "0.32.0" and other == "unknown"
+    recorded_content = VLLM["chat-top5"]["body"]["choices"][0]["logprobs"]["content"]
+    assert reply.logprobs is not None and len(reply.logprobs) == len(recorded_content)
+    assert reply.content == VLLM["chat-top5"]["body"]["choices"][0]["message"]["content"]

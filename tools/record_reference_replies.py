@@ -34,6 +34,7 @@ def exchanges(client: httpx.Client) -> list[tuple[str, str, str, dict[str, Any] 
     score = {"model": MODEL, "prompt": prompt + text, "echo": True, "logprobs": 5, "max_tokens": 0, "temperature": 0}
     return [
         ("models", "GET", "/v1/models", None),
+        ("version", "GET", "/version", None),
         ("tokenize-root-messages", "POST", "/tokenize", {"model": MODEL, "messages": CHAT, "add_generation_prompt": True}),
         ("tokenize-root-prompt", "POST", "/tokenize", {"model": MODEL, "prompt": TEXT, "add_special_tokens": False}),
         ("tokenize-v1-messages", "POST", "/v1/tokenize", {"model": MODEL, "messages": CHAT, "add_generation_prompt": True}),

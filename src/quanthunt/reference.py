@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import os
 import time
@@ -45,7 +46,8 @@ import numpy as np
 
 from quanthunt.defaults import GATEWAY_LIMITS, GATEWAY_TIMEOUT
 from quanthunt.errors import ConfigError, QuanthuntError
-from quanthunt.gateway import TRANSIENT, ApiKey, GatewayError, backoff_s
+from quanthunt.gateway import TRANSIENT, ApiKey, GatewayError, backoff_s, parse_chat_reply
+from quanthunt.replies import ChatReply
 from quanthunt.urls import check_base_url
 
 REFERENCE_KEY_ENV = "REFERENCE_API_KEY"
@@ -290,6 +292,18 @@ class Reference:
             f"reference {self.base_url} cannot score: POST /v1/completions with echo answered {'; '.join(dict.fromkeys(answers))}"
         )
 
+    async def server_version(self) -> str:
+        """What the server says it is at ``GET /version`` (vLLM: ``{"version": "0.32.0"}``),
+        or ``unknown`` where it has no such route (SGLang's is elsewhere)."""
+        try:
+            status, data = await self._send("GET", f"{self.root_url}/version")
+        except GatewayError as exc:
+            if exc.status == 404:
+                return "unknown"
+            raise
+        version = data.get("version") if isinstance(data, dict) else None
+        return str(version) if status < 400 and version else "unknown"
+
     async def model_id(self) -> str:
         """The served model's name (``model`` if configured, else the first one listed)."""
         if self.model:
@@ -406,6 +420,28 @@ class Reference:
             )
         except (KeyError, IndexError, TypeError, AttributeError):
             raise GatewayError(f"reference {self.host}: unexpected chat reply", kind="unexpected_reply") from None
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        top_logprobs: int,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ChatReply:
+        """A sampled chat completion with its logprobs and top alternatives, parsed as a
+        provider's reply is (``gateway.parse_chat_reply``): ``calibrate`` measures a control
+        deployment exactly as verify measures a provider. Needs only ``/models`` and the chat
+        route, not ``check``: a control is never scored at."""
+        body: dict[str, Any] = {"model": await self.model_id(), "messages": [dict(m) for m in messages],
+                                "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "logprobs": True,
+                                "top_logprobs": top_logprobs}  # fmt: skip
+        if template_kwargs:
+            body["chat_template_kwargs"] = dict(template_kwargs)
+        data = await self._post(f"{self.base_url}/chat/completions", body)
+        return parse_chat_reply(json.dumps(data).encode(), None, f"{self.host} POST /chat/completions")
 
 
 def _message(data: Any) -> str:

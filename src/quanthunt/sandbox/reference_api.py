@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from quanthunt import __version__
 from quanthunt.errors import SandboxError
 from quanthunt.sandbox import thinking
 from quanthunt.sandbox.engine import REFERENCE_PRECISION, CompletionEngine, OutToken, SamplingRequest, TokenInfo
@@ -389,8 +390,12 @@ def reference_routes(
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def version(request: Request) -> Response:  # vLLM's GET /version; SGLang has none there
+        return JSONResponse({"version": f"quanthunt-sandbox {__version__} ({precision})"})
+
     return [
         Route(f"{root}/health", health),
+        *([] if sglang else [Route(f"{root}/version", version)]),
         Route(f"{root}/v1/models", models),
         Route(f"{root}/v1/chat/completions", chat, methods=["POST"]),
         Route(f"{root}/v1/completions", completions, methods=["POST"]),
