@@ -36,7 +36,7 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         files = paths.of(root, name)
         records = json_lines(files.final.read_text(encoding="utf-8")) if files.final.exists() else []
         datasets.append(DatasetView(name, records, _json(files.card), _json(files.validate_report)))
-    m, d = params.verify.margin, params.verify.decision
+    m, d = verdicts.margin_or(params.verify.margin), verdicts.decision_or(params.verify.decision)  # what verify decided with
     with stage.tracked(params.verify.decision) as run:
         page = render(
             model=params.survey.model,

@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from quanthunt.audit_run import audit_all, decide, metrics, plan, plots, render_report, show, tags
+from quanthunt.calibration_run import applied
 from quanthunt.connection import open_targets
 from quanthunt.ledger import open_ledger
 from quanthunt.outputs import Outputs
@@ -23,6 +24,8 @@ from quanthunt.stage import Stage
 def main(params_path: Path, *, console: Console | None = None) -> None:
     """Run the verify stage with the params file at ``params_path``."""
     stage = Stage.open("verify", params_path, console)
+    params, calibration = applied(stage.params, stage.root)
+    stage = stage.with_params(params)
     params, root, paths, console = stage.params, stage.root, stage.paths, stage.console
     surveyed, rows, probes = plan(params, root)
     with stage.tracked(params.verify) as run:
@@ -32,9 +35,28 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         ):
             siblings = [r.tag for r in surveyed]
             audits, rounds, reference_model = asyncio.run(
-                audit_all(params, rows, probes, targets, siblings=siblings, console=console, ledger=ledger, run_id=run.run_id)
+                audit_all(
+                    params,
+                    rows,
+                    probes,
+                    targets,
+                    siblings=siblings,
+                    console=console,
+                    ledger=ledger,
+                    run_id=run.run_id,
+                    calibration=calibration,
+                )
             )
-        verdicts = decide(params, run, rows=rows, probes=probes, audits=audits, rounds=rounds, reference_model=reference_model)
+        verdicts = decide(
+            params,
+            run,
+            rows=rows,
+            probes=probes,
+            audits=audits,
+            rounds=rounds,
+            reference_model=reference_model,
+            calibration=calibration,
+        )
         images = plots(params, audits, verdicts)
         figures = metrics(verdicts)
         with Outputs() as out:
@@ -46,6 +68,8 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         run.log_metrics(figures)
         run.set_tags(tags(verdicts, params.verify.margin))
         run.log_input(root / paths.survey_providers, context="survey")
+        if (root / paths.calibration).exists():
+            run.log_input(root / paths.calibration, context="calibration")
         for name in params.datasets:
             run.log_input(paths.prompt_file(root, name), context="prompts")
         for path in (paths.verdicts, paths.verify_report, paths.verify_metrics):

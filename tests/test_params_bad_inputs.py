@@ -232,6 +232,15 @@ def with_value(dotted: str, value: Any) -> dict[str, Any]:
         ("ledger.url", "mysql://db/ledger"),
         ("ledger.url", "postgresql://quanthunt:hunter2@db/ledger"),
         ("sandbox.roster", "roster\x00.yaml"),
+        ("calibrate.controls", {"Box": "reference"}),
+        ("calibrate.controls", {"box": "http://10.0.0.7:8000/v1"}),
+        ("calibrate.controls", {"box": "sandbox:FP8"}),
+        ("calibrate.controls", {"box": "https://user:pw@box.example/v1"}),
+        ("calibrate.controls", ["reference"]),
+        ("calibrate.coarse", "sandbox:"),
+        ("calibrate.coarse", "ftp://box.example/v1"),
+        ("calibrate.confidence", 0.5),
+        ("calibrate.completions_per_prompt", 0),
     ],
 )
 def test_specific_bad_params_are_refused(field: str, value: Any) -> None:

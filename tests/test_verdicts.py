@@ -174,3 +174,22 @@ def test_verdicts_on_another_model_than_the_calibration_say_their_figures_are_as
     written = verdicts_of(provider_verdict("a/int4"), calibration=kimi.model_dump())
     assert Verdicts.model_validate_json(written.model_dump_json()).calibration == kimi
     assert verdicts_of(provider_verdict("a/int4")).calibration is None  # a file from before it was recorded
+
+
+def test_the_margins_verify_decided_with_travel_in_the_verdicts() -> None:
+    """Generate's monitor and the report take the margins and decision settings from the
+    verdicts (a calibration may have widened them), and only a file from before they were
+    recorded falls back to params.yaml's."""
+    m, d = SHIPPED.verify.margin, SHIPPED.verify.decision
+    wider = m.model_copy(update={"mean_abs_dlogprob": 0.2, "tail_dlogprob": 0.3})
+    measured = d.model_copy(update={"mixture_detection_logprob": 0.8})
+    calibration = Calibration.of("moonshotai/kimi-k2.5", controls=["second-box"], note="bounded on second-box",
+                                 margin=wider, decision=measured)  # fmt: skip
+    assert calibration.measured_for_model and calibration.measured_on == "control deployments of moonshotai/kimi-k2.5: second-box"
+    written = Verdicts.model_validate_json(
+        verdicts_of(provider_verdict("a/int4"), calibration=calibration.model_dump()).model_dump_json()
+    )
+    assert written.margin_or(m) == wider and written.decision_or(d) == measured
+    old = verdicts_of(provider_verdict("a/int4"), calibration=Calibration.of("moonshotai/kimi-k2.5").model_dump())
+    assert old.margin_or(m) == m and old.decision_or(d) == d
+    assert verdicts_of(provider_verdict("a/int4")).margin_or(m) == m

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from quanthunt import decision, figures
+from quanthunt.calibration_run import CalibrationFile, check_reference
 from quanthunt.connection import Targets
 from quanthunt.decision import Subject
 from quanthunt.errors import ConfigError
@@ -67,6 +68,7 @@ async def audit_all(
     console: Console,
     ledger: Ledger,
     run_id: str,
+    calibration: CalibrationFile,
 ) -> tuple[list[Audit], list[int], str]:
     """Audit every row in rounds until each is decided or has had every probe of the plan.
     A probe request that an earlier run bought within ``verify.reuse_paid_replies_h`` is
@@ -85,6 +87,9 @@ async def audit_all(
         Reference(targets.reference_url, model=params.reference.model, retry_for_s=v.reference_retry_for_s) as reference,
     ):
         reference_model = (await reference.check()).model
+        if calibration.key.reference_model is not None:  # before anything is bought
+            check_reference(calibration, model=reference_model, server=await reference.server_version(),
+                            path=Path(params.paths.calibration))  # fmt: skip
         await check_gateway(gateway, targets.api_url)
 
         def on_cut(tag: str, before: int, after: int) -> None:
@@ -247,6 +252,7 @@ def decide(
     audits: list[Audit],
     rounds: list[int],
     reference_model: str,
+    calibration: CalibrationFile,
 ) -> Verdicts:
     """The verdicts of the audits (each provider's child run logged), as ``verdicts.json`` holds them."""
     v, m, d = params.verify, params.verify.margin, params.verify.decision
@@ -263,7 +269,13 @@ def decide(
         verification_run_id=run.run_id,
         cost_usd=round(sum(a.cost_usd for a in audits), 8),
         reused_cost_usd=round(sum(a.reused_cost_usd for a in audits), 8),
-        calibration=Calibration.of(params.survey.model),
+        calibration=Calibration.of(
+            params.survey.model,
+            controls=[c.name for c in calibration.controls],
+            note=calibration.note if calibration.measured else "",
+            margin=m,
+            decision=d,
+        ),
         providers=decided,
     )
     return Verdicts.model_validate(verdicts.model_dump())

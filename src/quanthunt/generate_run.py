@@ -131,7 +131,8 @@ async def run(
             f"every eligible provider was stopped by its monitor ({', '.join(sorted(stopped))}); rerun verify, then generate",
             EXIT_OUT_OF_BUDGET,
         )
-    monitors = monitors_for(verdicts, ledger, dataset=dataset, datasets=len(params.datasets), margin=params.verify.margin,
+    margin = verdicts.margin_or(params.verify.margin)  # the monitor bets against what verify decided with
+    monitors = monitors_for(verdicts, ledger, dataset=dataset, datasets=len(params.datasets), margin=margin,
                             settings=g.monitor, sampling=g.sampling)  # fmt: skip
     params_hash = dataset_params_hash(params)
     job = Job(

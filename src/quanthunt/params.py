@@ -72,6 +72,8 @@ class Paths(_Section):
     verify_report: str
     verify_plots: str
     verify_metrics: str
+    calibration: str
+    """What ``calibrate`` measured on the controls: the margins verify, generate and report use."""
     generated: str
     """``<dataset>.jsonl`` per dataset: the regenerated records of the last finished run."""
     generating: str
@@ -429,6 +431,57 @@ class Verify(_Section):
         return self
 
 
+REFERENCE_CONTROL = "reference"
+CONTROL_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
+
+
+def check_deployment_url(value: str) -> str:
+    """``reference`` (the reference deployment itself), ``sandbox:<deployment>`` (one of the
+    sandbox roster's ``deployments``) or a base URL (``.../v1``) ``urls.check_base_url`` accepts."""
+    if value == REFERENCE_CONTROL:
+        return value
+    if value.startswith(f"{SANDBOX}:"):
+        name = value.removeprefix(f"{SANDBOX}:")
+        if not CONTROL_NAME.fullmatch(name):
+            raise ValueError(f"sandbox:<deployment> needs a deployment name of a-z, 0-9 and -, got {one_line(repr(name), 80)}")
+        return value
+    return urls.check_base_url(value)
+
+
+class Calibrate(_Section):
+    """Margins measured on deployments the team trusts (``quanthunt.calibration_run``)."""
+
+    controls: dict[str, str]
+    """Faithful deployments of the reference's model by name: a base URL (``.../v1``; a
+    second server on other GPUs or dtype), ``sandbox:<deployment>``, or ``reference``: the
+    reference's own samples, measured as a provider's are (its sampler, and its decoding
+    against its own scoring). Empty: verify uses the shipped ``verify.margin`` and says so."""
+    coarse: str | None
+    """A coarser build of the same model (e.g. vLLM ``--quantization fp8``), whose completions
+    give the mixture detection rates; null: the shipped ``verify.decision`` rates, said so."""
+    prompts: int = Field(ge=1)
+    """Probe prompts measured at each control (the verify plan's first ones)."""
+    completions_per_prompt: int = Field(ge=1)
+    confidence: float = Field(gt=0.5, lt=1)
+    """Every bound of one calibration holds jointly at this confidence."""
+    concurrency: int = Field(ge=1, le=256)
+    """Completions in flight at each control and scored at the reference at once."""
+
+    @field_validator("controls")
+    @classmethod
+    def _controls(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, url in value.items():
+            if not CONTROL_NAME.fullmatch(name):
+                raise ValueError(f"control names are a-z, 0-9 and -, got {one_line(repr(name), 80)}")
+            try:
+                check_deployment_url(url)
+            except ValueError as exc:
+                raise ValueError(f"control {name}: {exc}") from None
+        return value
+
+    _coarse = field_validator("coarse")(lambda value: None if value is None else check_deployment_url(value))
+
+
 class Sampling(_Section):
     """How generation samples (``generate.sampling``); its values key the ledger and the
     working file (``generation.params_hash``)."""
@@ -528,6 +581,7 @@ class Params(_Section):
     datasets: tuple[str, ...] = Field(min_length=1)
     """Prompt datasets, by name: ``<paths.prompts>/<name>.jsonl``."""
     survey: Survey
+    calibrate: Calibrate
     verify: Verify
     generate: Generate
     validate_: Validate = Field(alias="validate")

@@ -10,6 +10,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ class Stage:
         if dataset is not None:
             params.check_dataset(dataset, source=params_path)
         return cls(name, params, repo_root(params_path), console or stage_console())
+
+    def with_params(self, params: Params) -> Stage:
+        """The same stage run with ``params`` (verify's calibrated margins: ``calibration_run.applied``)."""
+        return dataclasses.replace(self, params=params)
 
     @property
     def paths(self) -> Paths:

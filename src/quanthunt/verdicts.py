@@ -5,17 +5,16 @@ generate and validate stages read. Validated on write and on read.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quanthunt.config_files import field_path, one_line
 from quanthunt.defaults import SANDBOX_MODEL
 from quanthunt.errors import ConfigError
-
-if TYPE_CHECKING:
-    from quanthunt.params import Margins
+from quanthunt.params import Decision, Margins
 
 Verdict = Literal["equivalent", "different", "inconclusive"]
 
@@ -145,23 +144,44 @@ class Calibration(_Model):
     """The model audited."""
     measured_for_model: bool
     note: str
+    margin: Margins | None = None
+    """The margins verify decided with (the generate stage's monitor bets against the same);
+    None in a file from before they were recorded."""
+    decision: Decision | None = None
+    """The detection rates and the rest of ``verify.decision`` it decided with."""
 
     @classmethod
-    def of(cls, model: str) -> Calibration:
+    def of(
+        cls,
+        model: str,
+        *,
+        controls: Sequence[str] = (),
+        note: str = "",
+        margin: Margins | None = None,
+        decision: Decision | None = None,
+    ) -> Calibration:
+        """``controls``: the deployments ``calibrate`` measured the margins on, with its ``note``
+        (also given when only a coarse build was measured); none: the shipped margins,
+        measured on the sandbox's model only. ``margin``, ``decision``: what verify used."""
+        if controls:
+            return cls(measured_on=f"control deployments of {model}: {', '.join(controls)}", model=model,
+                       measured_for_model=True, note=note, margin=margin, decision=decision)  # fmt: skip
         measured = model.lower() == SANDBOX_MODEL
-        if measured:
+        if not note and measured:
             note = (
                 f"the shipped verify.margin and mixture detection rates were measured on this model ({SANDBOX_MODEL}, "
                 "the sandbox's pools: benchmarks/verify_power.py)"
             )
-        else:
+        elif not note:
             note = (
                 f"verify.margin and the mixture detection rates are not measured for {model}: the shipped values were "
                 f"measured on {SANDBOX_MODEL} (the sandbox's pools: benchmarks/verify_power.py), and a faithful "
                 f"deployment of {model} may have other noise, so the error rates and the mixture power printed are "
-                "assumed for it, not established (quanthunt cannot yet calibrate them on your deployment)"
+                "assumed for it, not established (name control deployments in calibrate.controls and run "
+                "`quanthunt calibrate` to measure them)"
             )
-        return cls(measured_on=SANDBOX_MODEL, model=model, measured_for_model=measured, note=note)
+        return cls(measured_on=SANDBOX_MODEL, model=model, measured_for_model=measured, note=note, margin=margin,
+                   decision=decision)  # fmt: skip
 
 
 class Verdicts(_Model):
@@ -184,6 +204,14 @@ class Verdicts(_Model):
 
     def eligible(self) -> list[ProviderVerdict]:
         return [p for p in self.providers if p.eligible]
+
+    def margin_or(self, configured: Margins) -> Margins:
+        """The margins verify decided with; ``configured`` for a file from before they were recorded."""
+        return self.calibration.margin if self.calibration is not None and self.calibration.margin else configured
+
+    def decision_or(self, configured: Decision) -> Decision:
+        """The decision settings verify decided with; ``configured`` for a file from before they were recorded."""
+        return self.calibration.decision if self.calibration is not None and self.calibration.decision else configured
 
 
 def load_verdicts(path: Path) -> Verdicts:

@@ -11,10 +11,14 @@ from collections.abc import Callable
 import httpx
 import pytest
 import yaml
+from fixtures.controls import control
+from fixtures.params import changed
 from fixtures.project import Project
 from fixtures.sandbox import AUTH, roster_dict
 from fixtures.sandbox import provider as roster_provider
 
+from quanthunt.calibration_run import Key, calibrated
+from quanthunt.params import load_params
 from quanthunt.sandbox.server import SandboxProcess
 
 pytestmark = pytest.mark.model
@@ -234,3 +238,40 @@ def test_adding_a_dataset_buys_only_its_probes(project: Project) -> None:
     asked = sum(p["completions"] + p["failed_requests"] for p in after["providers"])  # none failed at the gateway here
     assert asked - sum(p["reused_replies"] for p in after["providers"]) == len(bought) < asked
     assert [p["verdict"] for p in after["providers"]] == [p["verdict"] for p in before["providers"]]
+
+
+def test_verify_decides_with_the_calibrated_margins_and_refuses_a_calibration_of_another_reference(
+    project: Project, latency_sandbox: Callable[..., SandboxProcess]
+) -> None:
+    """The calibration is checked against the reference before a probe is bought (the
+    gateway has served no request), and once it fits, the verdicts record the margins they
+    were decided with and the control they were measured on (what generate's monitor and
+    the report then use)."""
+    sandbox = latency_sandbox(roster_dict(roster_provider("alpha"), roster_provider("beta")))
+    project.set_param("api.base_url", sandbox.api_url)
+    project.set_param("reference.base_url", sandbox.reference_url)
+    project.set_param("verify.probes.prompts", 12)
+    assert project.run("survey", "--params", "params.yaml").returncode == 0
+    params = load_params(project.params_path)
+    model = httpx.get(f"{sandbox.reference_url}/models").json()["data"][0]["id"]
+    server = httpx.get(f"{sandbox.reference_url.removesuffix('/v1')}/version").json()["version"]
+    margin = changed(params.verify.margin, mean_abs_dlogprob=0.11, tail_p0=0.02)
+    measured = calibrated(params, Key.of(params).model_copy(update={"reference_model": model, "reference_server": "0.1.0"}),
+                          {"second-box": ("https://box.example/v1", control("second-box", 0.01))}, None)  # fmt: skip
+    path = project.root / params.paths.calibration
+    path.parent.mkdir(parents=True)
+    path.write_text(measured.model_copy(update={"margin": margin}).model_dump_json())
+
+    done = project.run("verify", "--params", "params.yaml")
+    assert done.returncode == 2
+    assert f"calibrated against reference {model} (server 0.1.0)" in done.stderr and f"(server {server})" in done.stderr
+    assert httpx.get(f"{sandbox.api_url}/sandbox/stats", headers=AUTH).json()["requests"] == 0
+    assert not (project.root / params.paths.verdicts).exists()
+
+    fitting = measured.model_copy(update={"margin": margin, "key": measured.key.model_copy(update={"reference_server": server})})
+    path.write_text(fitting.model_dump_json())
+    done = project.run("verify", "--params", "params.yaml")
+    assert done.returncode == 0, done.stderr
+    calibration = json.loads((project.root / params.paths.verdicts).read_text())["calibration"]
+    assert calibration["margin"] == margin.model_dump() and calibration["measured_for_model"] is True
+    assert calibration["measured_on"].endswith("second-box") and "second-box (288 completions)" in calibration["note"]

@@ -17,6 +17,13 @@ def survey(params: ParamsOption = Path("params.yaml")) -> None:
     stage.main(params)
 
 
+def calibrate(params: ParamsOption = Path("params.yaml")) -> None:
+    """Measure the control deployments you trust as faithful and bound verify's margins on them."""
+    from stages import calibrate as stage
+
+    stage.main(params)
+
+
 def verify(params: ParamsOption = Path("params.yaml")) -> None:
     """Measure each provider against the reference deployment and decide its verdict."""
     from stages import verify as stage
@@ -52,5 +59,5 @@ def report(params: ParamsOption = Path("params.yaml")) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    for command in (survey, verify, generate, validate, report):
+    for command in (survey, calibrate, verify, generate, validate, report):
         app.command(rich_help_panel="Pipeline stages")(command)
