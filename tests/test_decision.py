@@ -65,6 +65,10 @@ def test_logprob_mode_finds_precision_mixtures_and_the_sampler() -> None:
     assert "extreme completions" in states["Mixture"].reason
     assert "sampler" in states["Hot"].reason and "sampler" in states["Cold"].reason
     assert states["Faithful"].power >= POLICY.min_power
+    # the power is printed with what it assumes (issue 25 §2): both flag rates, by value
+    assert (f"caught with probability {states['Faithful'].power:.3f}, assuming coarse completions are flagged at "
+            f"{POLICY.mixture_detection_logprob:.3g} and faithful ones at the margin's {MARGIN.tail_p0:.3g}") in states[
+        "Faithful"].reason  # fmt: skip
 
 
 def test_sample_mode_decides_both_ways() -> None:

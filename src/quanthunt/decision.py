@@ -183,8 +183,10 @@ class TailTest:
 
     p0: float
     """The faithful flag rate it tests against."""
+    detected: float
+    """The coarse precision's flag rate (``mixture_detection_*``: shipped or calibrated)."""
     rate: float
-    """The mixture's flag rate, from the coarse precision's measured one."""
+    """The mixture's flag rate: ``detected`` on its coarse share, ``p0`` on the rest."""
     threshold: float
     """The wealth the combined e-process must reach in the correction's worst case: Holm's
     first step (and e-BH's smallest rejection) across ``providers`` needs ``m / α``."""
@@ -199,7 +201,7 @@ class TailTest:
             p0, detected = margin.sample_tail_p0, policy.mixture_detection_sample
         share = policy.mixture_share
         components = len(sequential_tests(Observations(mode, [], [], [], 0), margin).difference)
-        return cls(p0, share * detected + (1 - share) * p0, max(providers, 1) / policy.alpha, 1.0 / components)
+        return cls(p0, detected, share * detected + (1 - share) * p0, max(providers, 1) / policy.alpha, 1.0 / components)
 
 
 def mixture_power(mode: str, n: int, *, providers: int, margin: Margins, policy: Decision) -> list[float]:
@@ -286,7 +288,7 @@ def judge(
                 (
                     f"{_shown_within(audit.mode, margin)} after {n} completions (p_adj={e_adj:.2g}); extreme "
                     f"shares not shown above their margins; a {policy.mixture_share:.0%} mixture would have been "
-                    f"caught with probability {state.power:.3f}"
+                    f"caught with probability {state.power:.3f}, {_power_assumes(audit.mode, margin, policy)}"
                 ),
             )
         else:
@@ -295,6 +297,14 @@ def judge(
             state.needed = _still_needed(tests, n, threshold, needed, e_adj < policy.alpha)
             state.reason = _undecided(state, n, policy, e_adj)
     return states
+
+
+def _power_assumes(mode: str, margin: Margins, policy: Decision) -> str:
+    """What the mixture power rests on, said beside it: the coarse part's flag rate (shipped or
+    calibrated: the verdicts' ``calibration`` says which) and the faithful part's, credited at
+    the margin's rate (issue 25 §2: a faithful part that flags less makes the power lower)."""
+    t = TailTest.of(mode, providers=1, margin=margin, policy=policy)
+    return f"assuming coarse completions are flagged at {t.detected:.3g} and faithful ones at the margin's {t.p0:.3g}"
 
 
 def _shown_within(mode: str, margin: Margins) -> str:
