@@ -37,7 +37,8 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
                 sandbox = targets.sandbox
                 result = asyncio.run(
                     measure_all(params, probes, reference_url=targets.reference_url,
-                                sandbox_url=sandbox.deployment_url if sandbox is not None else None)
+                                sandbox_url=sandbox.deployment_url if sandbox is not None else None,
+                                on_progress=console.print)
                 )  # fmt: skip
             for name in params.datasets:
                 run.log_input(paths.prompt_file(root, name), context="prompts")

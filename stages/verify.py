@@ -35,28 +35,11 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
         ):
             siblings = [r.tag for r in surveyed]
             audits, rounds, reference_model = asyncio.run(
-                audit_all(
-                    params,
-                    rows,
-                    probes,
-                    targets,
-                    siblings=siblings,
-                    console=console,
-                    ledger=ledger,
-                    run_id=run.run_id,
-                    calibration=calibration,
-                )
-            )
-        verdicts = decide(
-            params,
-            run,
-            rows=rows,
-            probes=probes,
-            audits=audits,
-            rounds=rounds,
-            reference_model=reference_model,
-            calibration=calibration,
-        )
+                audit_all(params, rows, probes, targets, siblings=siblings, console=console, ledger=ledger,
+                          run_id=run.run_id, calibration=calibration)
+            )  # fmt: skip
+        verdicts = decide(params, run, rows=rows, probes=probes, audits=audits, rounds=rounds,
+                          reference_model=reference_model, calibration=calibration)  # fmt: skip
         images = plots(params, audits, verdicts)
         figures = metrics(verdicts)
         with Outputs() as out:

@@ -1,22 +1,36 @@
-"""The calibration file's contract: margins bounded on controls reach verify, generate and
-report only for the settings they were measured at; every refusal names the file and what
-differs. (``tests/test_calibration.py`` tests the bounds themselves; the stage on the
+"""The calibration file's contract: margins bounded on controls reach verify (and through
+the verdicts generate and report) only for the settings they were measured at; every
+refusal names the file and what differs. (``tests/test_calibration.py`` tests the bounds themselves; the stage on the
 sandbox: ``tests/stages/test_calibrate_stage.py``.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 from fixtures.controls import coarse, control
 from fixtures.params import SHIPPED
 
 from quanthunt.calibration import Faithful
-from quanthunt.calibration_run import Completions, Key, applied, calibrated, check_reference, deployment_url, metric_name, shipped
+from quanthunt.calibration_run import (
+    Completions,
+    Key,
+    applied,
+    calibrated,
+    check_reference,
+    deployment_url,
+    metric_name,
+    reach,
+    shipped,
+)
 from quanthunt.errors import ConfigError
 from quanthunt.params import Params
+from quanthunt.reference import Reference
 from quanthunt.verdicts import Calibration
 
 REFERENCE_URL = "http://127.0.0.1:8000/v1"
@@ -137,3 +151,23 @@ def test_bound_names_are_valid_mlflow_metric_names() -> None:
     result = calibrated(SHIPPED, Key.of(SHIPPED), {"box": ("reference", control("box", 0.05))}, None)
     names = [metric_name(b) for b in result.bounds]
     assert "box.sample_tail_p0.listed" in names and all("(" not in n and " " not in n for n in names)
+
+
+def test_a_control_that_cannot_be_reached_or_serves_another_model_stops_the_stage_naming_it() -> None:
+    """Checked once before any completion is asked: otherwise every one of its completions
+    would fail the same way, slowly."""
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    def other_model(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"data": [{"id": "kimi-k2.5-fp8"}]})
+
+    async def reach_with(handler: Callable[[httpx.Request], httpx.Response]) -> None:
+        async with Reference("https://box.example/v1", transport=httpx.MockTransport(handler)) as box:
+            await reach(box, "kimi-k2.5", field="calibrate.controls.box")
+
+    with pytest.raises(ConfigError, match=r"^calibrate.controls.box: cannot reach the reference deployment at box.example"):
+        asyncio.run(reach_with(refused))
+    with pytest.raises(ConfigError, match=r"serves kimi-k2.5-fp8, not the reference's model kimi-k2.5 \(serve it under"):
+        asyncio.run(reach_with(other_model))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -354,8 +355,28 @@ def plan_lines(params: Params) -> list[str]:
     return lines
 
 
-async def measure_all(params: Params, probes: Sequence[Probe], *, reference_url: str,
-                      sandbox_url: Callable[[str], str] | None) -> CalibrationFile:  # fmt: skip
+async def reach(deployment: Reference, model: str, *, field: str) -> None:
+    """Fail fast, naming the control, when it cannot be reached or does not serve the
+    reference's model under its name (every request then would fail the same way)."""
+    try:
+        served = await deployment.served_models()
+    except GatewayError as exc:
+        raise ConfigError(f"{field}: {exc}") from None
+    if model not in served:
+        raise ConfigError(
+            f"{field}: {deployment.base_url} serves {', '.join(served[:5])}, not the reference's model {model} "
+            "(serve it under the same name, e.g. vLLM --served-model-name)"
+        )
+
+
+async def measure_all(
+    params: Params,
+    probes: Sequence[Probe],
+    *,
+    reference_url: str,
+    sandbox_url: Callable[[str], str] | None,
+    on_progress: Callable[[str], None] = lambda _: None,
+) -> CalibrationFile:
     """Measure every control and the coarse build against the reference; the calibration."""
     c, design = params.calibrate, Design.of(params)
     urls = {name: deployment_url(url, reference_url=reference_url, sandbox_url=sandbox_url) for name, url in c.controls.items()}
@@ -366,16 +387,25 @@ async def measure_all(params: Params, probes: Sequence[Probe], *, reference_url:
         server = await reference.server_version()
         scorer = Scorer(reference, params.reasoning, top_logprobs=design.top_logprobs, attempts=design.max_attempts)
 
-        async def at(name: str, url: str) -> Completions:
+        async def at(field: str, name: str, url: str) -> Completions:
+            started = time.monotonic()
             if url == reference_url:
-                return await measure(reference, scorer, design, probes, name=name, per_prompt=c.completions_per_prompt,
+                done = await measure(reference, scorer, design, probes, name=name, per_prompt=c.completions_per_prompt,
                                      concurrency=c.concurrency)  # fmt: skip
-            async with Reference(url, model=model) as deployment:
-                return await measure(deployment, scorer, design, probes, name=name, per_prompt=c.completions_per_prompt,
-                                     concurrency=c.concurrency)  # fmt: skip
+            else:
+                async with Reference(url, model=model) as deployment:
+                    await reach(deployment, model, field=field)
+                    done = await measure(deployment, scorer, design, probes, name=name,
+                                         per_prompt=c.completions_per_prompt, concurrency=c.concurrency)  # fmt: skip
+            failed = f" ({_failures(done)} failed)" if done.failed else ""
+            on_progress(f"calibrate: {name}: {len(done.faithful.shifts)} completions measured{failed} in "
+                        f"{time.monotonic() - started:.0f} s")  # fmt: skip
+            return done
 
-        controls = {name: (c.controls[name], await at(name, url)) for name, url in urls.items()}
-        coarse = None if coarse_url is None or c.coarse is None else (c.coarse, await at("coarse", coarse_url))
+        controls = {name: (c.controls[name], await at(f"calibrate.controls.{name}", name, url)) for name, url in urls.items()}
+        coarse = None
+        if coarse_url is not None and c.coarse is not None:
+            coarse = (c.coarse, await at("calibrate.coarse", "coarse", coarse_url))
     key = Key.of(params).model_copy(update={"reference_model": model, "reference_server": server})
     return calibrated(params, key, controls, coarse)
 

@@ -306,15 +306,20 @@ class Reference:
 
     async def model_id(self) -> str:
         """The served model's name (``model`` if configured, else the first one listed)."""
-        if self.model:
-            return self.model
+        if not self.model:
+            self.model = (await self.served_models())[0]
+        return self.model
+
+    async def served_models(self) -> list[str]:
+        """Every model name ``GET /models`` lists (at least one, or ``GatewayError``)."""
         status, data = await self._send("GET", f"{self.base_url}/models")
         try:
-            self.model = str(data["data"][0]["id"])
-        except (KeyError, IndexError, TypeError):
-            raise GatewayError(f"reference {self.host} GET /models answered {status}: no model listed",
-                               kind="unexpected_reply") from None  # fmt: skip
-        return self.model
+            names = [str(m["id"]) for m in data["data"]]
+        except (KeyError, TypeError):
+            names = []
+        if not names:
+            raise GatewayError(f"reference {self.host} GET /models answered {status}: no model listed", kind="unexpected_reply")
+        return names
 
     # -- the routes verification uses --------------------------------------------------------
 
