@@ -170,7 +170,8 @@ def test_sampling_params_are_an_experiment_axis(generation_bed: Callable[..., Ge
     """``dvc exp run -S generate.sampling.temperature=0.8`` makes a second dataset beside
     the first (nothing reused), ``dvc exp show`` puts the two side by side, and going back
     to the first params gives back the first output byte for byte. Survey and verify are
-    stood in for (committed as they are: ``dvc commit``); generate and validate run for real."""
+    stood in for (committed as they are: ``dvc commit``); calibrate (no controls: the shipped
+    margins), generate and validate run for real."""
     bed = generation_bed(records=6)
     project = bed.project
     root = project.root
@@ -184,6 +185,7 @@ def test_sampling_params_are_an_experiment_axis(generation_bed: Callable[..., Ge
         assert done.returncode == 0, done.stdout + done.stderr
         return done
 
+    dvc("repro", "calibrate")
     dvc("commit", "--force", "survey", "verify")
     dvc("repro", "validate@tiny")
     subprocess.run([*git, "add", "-A"], check=True, env=project.env)
