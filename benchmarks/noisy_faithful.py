@@ -1,6 +1,6 @@
 """Verify on faithful deployments noisier than the shipped margins assume: shipped against calibrated margins.
 
-Usage: ``.venv/bin/python benchmarks/noisy_faithful.py [--seeds 200] [--providers 8]``
+Usage: ``.venv/bin/python benchmarks/noisy_faithful.py [--seeds 200] [--providers 8] [--replies 2000]``
 
 Every level serves the reference's own weights, so a right verdict is never ``different``;
 what changes is the arithmetic of the deployment, each a real serving option:
@@ -21,8 +21,10 @@ and with the calibrated ones, and against NVFP4, a 20 % NVFP4 mixture and temper
 with the calibrated ones (their power). The calibrated runs also take their mixture
 detection rates from NVFP4's control half (``calibration.detection``) instead of the
 shipped SmolLM2 ones. It prints the
-per-completion observations, each level's calibrated margins, and per row the shares found
-different / equivalent / inconclusive and the median completions used.
+per-completion observations, each level's calibrated margins, per row the shares found
+different / equivalent / inconclusive and the median completions used, and then the
+generate stage's monitor on each level's provider half (``--replies`` monitored replies a
+run, shipped against calibrated margins): the share of faithful runs it stops.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+from monitor_drift import AUDIT, Batch, Setup, Stream, Table, rng_for
 from power_pools import SERVED, Item, load_pools
+from scipy.stats import beta
 from verify_power import OBSERVATIONS_HEADER, Scores, observations, queues_of, sequential
 
 from quanthunt.calibration import Faithful, calibrate, detection
-from quanthunt.params import Params, load_params
+from quanthunt.params import Margins, Params, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 LEVELS = ("int4-native", "int4-bf16act", "int4-fp8kv", "int4-bf16act-fp8kv")
@@ -77,6 +82,27 @@ def replay(
     return out
 
 
+def false_stops(label: str, pool: Pool, margin: Margins, *, sampler: bool, alpha: float, every: int,
+                args: argparse.Namespace) -> tuple[int, float]:  # fmt: skip
+    """Runs (of ``--seeds``) whose generate-stage monitor stopped a faithful provider within
+    ``--replies`` monitored replies, and the share whose statistic ever reached 10 (Ville: at
+    most 1/10 under the null, a finer look than the stops). Each run replays a faithful audit
+    of the monitor_drift benchmark's size into component 0, then replies drawn i.i.d. from the
+    provider half (monitor_drift.py's vectorised monitor, checked there against ProviderMonitor)."""
+    items = [item for group in pool.values() for item in group]
+    setup = Setup(sampler, margin, alpha, every)
+    table = Table.of(items, args.tokens, setup)
+    audits = np.empty((args.seeds, table.factors.shape[1]))
+    idx = np.empty((args.seeds, args.replies), dtype=np.int64)
+    for run in range(args.seeds):
+        rng = rng_for(0, label, run)
+        audits[run] = table.factors[rng.choice(len(items), size=min(AUDIT, len(items)), replace=False)].sum(axis=0)
+        idx[run] = rng.integers(0, len(items), size=args.replies)
+    batch = Batch.start(setup, audits)
+    batch.advance(Stream(table, idx), args.replies)
+    return len(batch.stops), float(np.mean(batch.peak >= 10))
+
+
 def row(label: str, mode: str, tally: Counter[str], used: list[int]) -> str:
     n = sum(tally.values())
     return (
@@ -93,6 +119,8 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--control", type=int, default=6, help="completions of each probe that are the control's")
+    parser.add_argument("--replies", type=int, default=2000, help="monitored replies per monitor run")
+    parser.add_argument("--eligible", type=int, default=4, help="eligible providers the monitor's alpha is split across")
     parser.add_argument("--pools", nargs="+", choices=POOLS, default=list(POOLS), help="build and use only these (nvfp4 needed)")
     args = parser.parse_args()
     params = load_params(ROOT / "params.yaml")
@@ -158,6 +186,29 @@ def main() -> None:
         "  (a replay draws each probe's completions from its provider half in a new order, so a row measures that half as much "
         "as the deployment; the int4-native and int4-bf16act pools are the ones the shipped margins were set on)"
     )
+
+    settings = params.generate.monitor
+    alpha = settings.alpha / (args.eligible * len(params.datasets))
+    started = time.perf_counter()
+    print(
+        f"\nThe generate stage's monitor on each faithful level's provider half: {args.seeds} runs of {args.replies} monitored "
+        f"replies after a {AUDIT}-completion audit; alpha {settings.alpha} / ({args.eligible} eligible x {len(params.datasets)} "
+        f"datasets) = {alpha:.5f} per provider, checkpoint every {settings.checkpoint_every}. 'shift': the logprob-shift "
+        "tests alone (generation at T != 1, the shipped 0.7); '+sampler': with the rank-z tests (T = 1). Stopped: share of "
+        "runs (Clopper-Pearson 95 % upper end); >= 10: share whose statistic ever reached 10 (at most 0.1 under the null)."
+    )
+    print(f"{'level':<22}{'margins':<12}{'shift: stopped':>16}{'CP up':>8}{'>= 10':>7}{'+sampler: stopped':>19}{'CP up':>8}"
+          f"{'>= 10':>7}")  # fmt: skip
+    for level in levels:
+        for label, margin in (("shipped", shipped), ("calibrated", calibrated[level].verify.margin)):
+            cells = ""
+            for sampler in (False, True):
+                stopped, ten = false_stops(f"{level}:{label}:{sampler}", pools[level], margin, sampler=sampler, alpha=alpha,
+                                           every=settings.checkpoint_every, args=args)  # fmt: skip
+                upper = float(beta.ppf(0.975, stopped + 1, args.seeds - stopped))
+                cells += f"{stopped / args.seeds:>{16 if not sampler else 19}.3f}{upper:>8.3f}{ten:>7.3f}"
+            print(f"{level:<22}{label:<12}{cells}")
+    print(f"  ({time.perf_counter() - started:.0f} s; monitored replies are the pools' {args.tokens}-token completions at T = 1)")
 
 
 if __name__ == "__main__":
