@@ -88,6 +88,8 @@ def test_two_controls_split_the_confidence_and_the_noisier_one_sets_the_margin()
         ("verify.probes.max_tokens", 96, "max_tokens"),
         ("verify.margin.tail_p0", 0.002, "shipped_sha256"),
         ("reasoning.mode", "off", "reasoning"),
+        ("calibrate.prompts", 12, "calibrate.prompts 24 (now 12)"),
+        ("calibrate.controls", {"box": "reference"}, "calibrate.controls.box None (now 'reference')"),
     ],
 )
 def test_a_calibration_made_for_other_settings_is_refused_naming_the_file_and_the_setting(
@@ -171,3 +173,17 @@ def test_a_control_that_cannot_be_reached_or_serves_another_model_stops_the_stag
         asyncio.run(reach_with(refused))
     with pytest.raises(ConfigError, match=r"serves kimi-k2.5-fp8, not the reference's model kimi-k2.5 \(serve it under"):
         asyncio.run(reach_with(other_model))
+
+
+def test_controls_named_but_never_measured_are_an_error_not_the_shipped_values(tmp_path: Path) -> None:
+    """Named controls promise a calibration: running verify before calibrate must not fall
+    back to the shipped margins silently."""
+    named = SHIPPED.model_copy(update={"calibrate": SHIPPED.calibrate.model_copy(update={"controls": {"box": "reference"}})})
+    with pytest.raises(ConfigError, match="not found, but calibrate names deployments to measure: run `quanthunt calibrate`"):
+        applied(named, tmp_path)
+
+
+def test_a_removed_control_makes_the_calibration_stale() -> None:
+    named = SHIPPED.calibrate.model_copy(update={"controls": {"a": "reference"}})
+    measured = Key.of(SHIPPED.model_copy(update={"calibrate": named}))
+    assert Key.of(SHIPPED).differences(measured) == ["calibrate.controls.a 'reference' (now None)"]

@@ -53,6 +53,9 @@ class Key(_Model):
     """The probe settings that shape what is measured: ``max_tokens``, ``temperature``, ``top_logprobs``."""
     shipped_sha256: str
     """Digest of ``verify.margin`` and ``verify.decision``: the values a calibration starts from."""
+    calibrate: dict[str, object]
+    """What was asked to be measured: ``calibrate``'s controls, coarse build, size and
+    confidence (its concurrency aside). Changed since, the calibration is stale."""
     reference_model: str | None = None
     """The reference's model id and ``GET /version`` when it was measured; None when no
     control was (the shipped values stand)."""
@@ -68,13 +71,16 @@ class Key(_Model):
             reasoning=reasoning,
             probes={"max_tokens": p.max_tokens, "temperature": p.temperature, "top_logprobs": p.top_logprobs},
             shipped_sha256=shipped,
+            calibrate=params.calibrate.model_dump(mode="json", exclude={"concurrency"}),
         )
 
     def differences(self, other: Key) -> list[str]:
         """Each setting (``probes.max_tokens``) where ``other`` differs, with both values; the
         reference's are checked once it answers (``check_reference``)."""
-        mine, theirs = _flat(self.model_dump(exclude={"reference_model", "reference_server"})), _flat(other.model_dump())
-        return [f"{name} {theirs.get(name)!r} (now {value!r})" for name, value in mine.items() if theirs.get(name) != value]
+        exclude = {"reference_model", "reference_server"}
+        mine, theirs = _flat(self.model_dump(exclude=exclude)), _flat(other.model_dump(exclude=exclude))
+        names = [*mine, *(name for name in theirs if name not in mine)]
+        return [f"{name} {theirs.get(name)!r} (now {mine.get(name)!r})" for name in names if theirs.get(name) != mine.get(name)]
 
 
 def _flat(values: Mapping[str, object], prefix: str = "") -> dict[str, object]:
@@ -302,11 +308,16 @@ def load(path: Path) -> CalibrationFile:
 
 def applied(params: Params, root: Path) -> tuple[Params, CalibrationFile]:
     """``params`` with the calibration's margins and detection rates in ``verify``, and the
-    calibration. Without the file (a pipeline from before calibrate, or a stage run alone)
-    the shipped values stand and the calibration says so. Raises ``ConfigError`` naming the
-    file and every setting that differs when it was made for another model or settings."""
+    calibration. Without the file and with nothing to calibrate on (a pipeline from before
+    calibrate, or a stage run alone) the shipped values stand and the calibration says so.
+    Raises ``ConfigError`` naming the file and every setting that differs when it was made
+    for another model or settings, or when controls are named but were never measured."""
     path = root / params.paths.calibration
     if not path.exists():
+        c = params.calibrate
+        if c.controls or c.coarse is not None:
+            raise ConfigError(f"{path}: not found, but calibrate names deployments to measure: run `quanthunt calibrate` "
+                              "(dvc repro calibrate) first")  # fmt: skip
         return params, shipped(params)
     found = load(path)
     if differences := Key.of(params).differences(found.key):
