@@ -296,7 +296,8 @@ def overview_section(verdicts: Verdicts, margin: Margins) -> str:
         f"of its tokens − ½ (0 for the reference), equivalent within ±{margin.sampler_equivalence:g} (shaded), "
         f"different beyond ±{margin.sampler_shift:g} (dotted). Right (logprob mode): the numbers, mean |Δ logprob| "
         f"per completion clipped at {margin.tail_dlogprob:g} (dotted: extreme), equivalent within "
-        f"{margin.mean_abs_dlogprob:g} (shaded). Margins from params.yaml (verify.margin)."
+        f"{margin.mean_abs_dlogprob:g} (shaded). Margins: those verify decided with (verify.margin, or a "
+        "calibration's, as the note below says)."
     )
     rows = [
         [
