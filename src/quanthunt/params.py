@@ -432,7 +432,6 @@ class Verify(_Section):
 
 
 REFERENCE_CONTROL = "reference"
-CONTROL_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
 
 def check_deployment_url(value: str) -> str:
@@ -442,7 +441,7 @@ def check_deployment_url(value: str) -> str:
         return value
     if value.startswith(f"{SANDBOX}:"):
         name = value.removeprefix(f"{SANDBOX}:")
-        if not CONTROL_NAME.fullmatch(name):
+        if not urls.DEPLOYMENT_NAME.fullmatch(name):
             raise ValueError(f"sandbox:<deployment> needs a deployment name of a-z, 0-9 and -, got {one_line(repr(name), 80)}")
         return value
     return urls.check_base_url(value)
@@ -471,7 +470,7 @@ class Calibrate(_Section):
     @classmethod
     def _controls(cls, value: dict[str, str]) -> dict[str, str]:
         for name, url in value.items():
-            if not CONTROL_NAME.fullmatch(name):
+            if not urls.DEPLOYMENT_NAME.fullmatch(name):
                 raise ValueError(f"control names are a-z, 0-9 and -, got {one_line(repr(name), 80)}")
             try:
                 check_deployment_url(url)

@@ -4,11 +4,16 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from urllib.parse import urlsplit
 
 import httpx
 
 from quanthunt.config_files import hide_userinfo, one_line
+
+DEPLOYMENT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
+"""A deployment's name: a path segment of the sandbox's ``/deployments/<name>`` and of
+``calibrate.controls``' ``sandbox:<name>`` (and a control's own name)."""
 
 
 def is_loopback(host: str) -> bool:

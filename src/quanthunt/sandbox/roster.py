@@ -9,7 +9,6 @@ show them (name, tag, declared quantization, prices, ...); ``precision``, ``mixt
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -22,6 +21,7 @@ from quanthunt.config_files import parse_yaml, read_text, validated
 from quanthunt.defaults import SANDBOX_MODEL
 from quanthunt.errors import ConfigError
 from quanthunt.spec import ENDPOINT_STATUSES, Quantization, check_price
+from quanthunt.urls import DEPLOYMENT_NAME
 
 PRECISIONS = (
     "int4-native",
@@ -36,7 +36,6 @@ PRECISIONS = (
 )
 """Every true precision the sandbox can serve (see ``model``); ``int4-native`` is the
 reference itself."""
-DEPLOYMENT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
 
 class _Strict(BaseModel):
