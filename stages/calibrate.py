@@ -1,10 +1,11 @@
 """Calibrate stage: measure the control deployments the team trusts as verify measures a
 provider, and bound what a faithful deployment of their model does.
 
-Writes ``paths.calibration``: the margins and mixture detection rates verify, generate and
-report use, every confidence bound behind them, and the key (model, reference and its server
-version, reasoning, probe settings) they hold for. With no control and no coarse build it
-writes the shipped values, saying where they were measured. One MLflow run.
+Writes ``paths.calibration``: the margins and mixture detection rates verify uses (its
+verdicts carry them to generate and report), every confidence bound behind them, and the key
+(model, reference and its server version, reasoning, probe and calibrate settings) they hold
+for. With no control and no coarse build it writes the shipped values, saying where they were
+measured. One MLflow run.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,7 @@ from rich.table import Table
 from quanthunt import calibration
 from quanthunt.calibration import Bound, Faithful
 from quanthunt.config_files import read_text
+from quanthunt.defaults import SANDBOX_MODEL
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import GatewayError
 from quanthunt.params import REFERENCE_CONTROL, SANDBOX, Decision, Margins, Params, section_digest
@@ -118,7 +120,7 @@ class BoundRecord(_Model):
 
 
 class CalibrationFile(_Model):
-    """``paths.calibration``: what verify, generate and report use, and every figure behind it."""
+    """``paths.calibration``: what verify uses (its verdicts carry it on), and every figure behind it."""
 
     key: Key
     measured: bool
@@ -184,8 +186,8 @@ async def measure(
                 if probe.id not in prompts:
                     prompts[probe.id] = await scorer.prompt_ids(probe.as_messages(), errors)
                 prompt = prompts[probe.id]
-                paired = await scorer.logprobs(prompt, reply, errors, probe_id=probe.id, index=index, seq=seq)
                 ids = await scorer.completion_ids(reply.content, reply.reasoning, reply.finish_reason, errors)
+                paired = await scorer.logprobs(prompt, reply, errors, probe_id=probe.id, index=index, seq=seq, ids=ids)
                 text = await scorer.text(prompt, ids, errors, probe_id=probe.id, index=index, source=name, seq=seq)
             except GatewayError as exc:
                 failed[exc.kind] += 1
@@ -202,15 +204,15 @@ async def measure(
 
 
 def summary(name: str, url: str, completions: Completions, margin: Margins) -> Measured:
+    """What a deployment with at least one measured completion gave."""
     shifts = completions.faithful.shifts
-    n = len(shifts)
     return Measured(
         name=name,
         url=url,
-        completions=n,
+        completions=len(shifts),
         failed=dict(completions.failed),
-        mean_abs_dlogprob=sum(shifts) / n if n else 0.0,
-        extreme_share=sum(s > margin.tail_dlogprob for s in shifts) / n if n else 0.0,
+        mean_abs_dlogprob=statistics.fmean(shifts),
+        extreme_share=sum(s > margin.tail_dlogprob for s in shifts) / len(shifts),
     )
 
 
@@ -234,7 +236,7 @@ def calibrated(
     measured: list[Measured] = []
     for name, (url, completions) in controls.items():
         if not completions.faithful.shifts:
-            raise ConfigError(f"calibrate.controls.{name}: no completion could be measured ({_failures(completions)})")
+            raise ConfigError(f"calibrate.controls.{name}: no completion could be measured ({_failures(completions.failed)})")
         measured.append(summary(name, url, completions, params.verify.margin))
         try:
             margin, bounds = calibration.calibrate(margin, completions.faithful, confidence=each)
@@ -245,7 +247,7 @@ def calibrated(
     if coarse is not None:
         url, completions = coarse
         if not completions.faithful.shifts:
-            raise ConfigError(f"calibrate.coarse: no completion could be measured ({_failures(completions)})")
+            raise ConfigError(f"calibrate.coarse: no completion could be measured ({_failures(completions.failed)})")
         coarse_measured = summary("coarse", url, completions, params.verify.margin)
         try:
             decision, bounds = calibration.detection(decision, margin, completions.faithful, confidence=each)
@@ -265,13 +267,11 @@ def calibrated(
     )
 
 
-def _failures(completions: Completions) -> str:
-    return ", ".join(f"{kind} ×{n}" for kind, n in completions.failed.most_common()) or "none asked"
+def _failures(failed: Mapping[str, int]) -> str:
+    return ", ".join(f"{kind} ×{n}" for kind, n in sorted(failed.items(), key=lambda kv: -kv[1]))
 
 
 def _note(key: Key, controls: Sequence[Measured], coarse: Measured | None, confidence: float) -> str:
-    from quanthunt.defaults import SANDBOX_MODEL
-
     shipped = f"measured on {SANDBOX_MODEL} (the sandbox's pools: benchmarks/verify_power.py)"
     if controls:
         names = ", ".join(f"{m.name} ({m.completions} completions)" for m in controls)
@@ -356,14 +356,13 @@ def deployment_url(url: str, *, reference_url: str, sandbox_url: Callable[[str],
 def plan_lines(params: Params) -> list[str]:
     """What the calibration will ask, printed before it starts."""
     c, p = params.calibrate, params.verify.probes
-    each = c.prompts * c.completions_per_prompt
-    lines = [
-        f"calibrate: {each} completions (≤ {p.max_tokens} tokens each) at each of {len(c.controls)} control(s)"
+    return [
+        f"calibrate: {c.prompts * c.completions_per_prompt} completions (≤ {p.max_tokens} tokens each) at each of "
+        f"{len(c.controls)} control(s)"
         + (" and the coarse build" if c.coarse else "")
-        + f", each scored at the reference; {c.concurrency} in flight per deployment"
+        + f", each scored at the reference; {c.concurrency} in flight per deployment",
+        "calibrate: controls are your own deployments: no dollars are spent (nothing goes through the gateway)",
     ]
-    lines.append("calibrate: controls are your own deployments: no dollars are spent (nothing goes through the gateway)")
-    return lines
 
 
 async def reach(deployment: Reference, model: str, *, field: str) -> None:
@@ -391,7 +390,8 @@ async def measure_all(
     """Measure every control and the coarse build against the reference; the calibration."""
     c, design = params.calibrate, Design.of(params)
     urls = {name: deployment_url(url, reference_url=reference_url, sandbox_url=sandbox_url) for name, url in c.controls.items()}
-    coarse_url = None if c.coarse is None else deployment_url(c.coarse, reference_url=reference_url, sandbox_url=sandbox_url)
+    coarse_target = None if c.coarse is None else (c.coarse, deployment_url(c.coarse, reference_url=reference_url,
+                                                                          sandbox_url=sandbox_url))  # fmt: skip
     async with Reference(reference_url, model=params.reference.model,
                          retry_for_s=params.verify.reference_retry_for_s) as reference:  # fmt: skip
         model = (await reference.check()).model
@@ -408,15 +408,13 @@ async def measure_all(
                     await reach(deployment, model, field=field)
                     done = await measure(deployment, scorer, design, probes, name=name,
                                          per_prompt=c.completions_per_prompt, concurrency=c.concurrency)  # fmt: skip
-            failed = f" ({_failures(done)} failed)" if done.failed else ""
+            failed = f" ({_failures(done.failed)} failed)" if done.failed else ""
             on_progress(f"calibrate: {name}: {len(done.faithful.shifts)} completions measured{failed} in "
                         f"{time.monotonic() - started:.0f} s")  # fmt: skip
             return done
 
         controls = {name: (c.controls[name], await at(f"calibrate.controls.{name}", name, url)) for name, url in urls.items()}
-        coarse = None
-        if coarse_url is not None and c.coarse is not None:
-            coarse = (c.coarse, await at("calibrate.coarse", "coarse", coarse_url))
+        coarse = None if coarse_target is None else (coarse_target[0], await at("calibrate.coarse", "coarse", coarse_target[1]))
     key = Key.of(params).model_copy(update={"reference_model": model, "reference_server": server})
     return calibrated(params, key, controls, coarse)
 
@@ -433,7 +431,7 @@ def show_calibration(calibration: CalibrationFile, console: Console) -> None:
         for column in ("name", "url", "completions", "failed", "mean |Δ logprob|", "extreme share"):
             measured.add_column(column)
         for m in [*calibration.controls, *([calibration.coarse] if calibration.coarse is not None else [])]:
-            failed = ", ".join(f"{k} ×{n}" for k, n in m.failed.items()) or "0"
+            failed = _failures(m.failed) or "0"
             measured.add_row(m.name, m.url, str(m.completions), failed, f"{m.mean_abs_dlogprob:.4f}", f"{m.extreme_share:.3f}")
         console.print(measured)
         bounds = Table(title=f"Bounds ({calibration.confidence:.0%} jointly)", title_justify="left")

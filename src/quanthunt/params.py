@@ -73,7 +73,7 @@ class Paths(_Section):
     verify_plots: str
     verify_metrics: str
     calibration: str
-    """What ``calibrate`` measured on the controls: the margins verify, generate and report use."""
+    """What ``calibrate`` measured on the controls: the margins verify uses (its verdicts carry them on)."""
     generated: str
     """``<dataset>.jsonl`` per dataset: the regenerated records of the last finished run."""
     generating: str

@@ -122,10 +122,12 @@ class Scorer:
         return ids
 
     async def logprobs(self, prompt: list[int], reply: ChatReply, errors: Counter[str], *, probe_id: str, index: int,
-                       seq: int) -> LogprobCompletion:  # fmt: skip
-        """Pair a reply's logprobs with the reference's scores of the same tokens."""
+                       seq: int, ids: list[int] | None = None) -> LogprobCompletion:  # fmt: skip
+        """Pair a reply's logprobs with the reference's scores of the same tokens (``ids``: the
+        reply's ``completion_ids`` when the caller has them already)."""
         assert reply.logprobs is not None
-        ids = await self.completion_ids(reply.content, reply.reasoning, reply.finish_reason, errors)
+        if ids is None:
+            ids = await self.completion_ids(reply.content, reply.reasoning, reply.finish_reason, errors)
         scored = await with_retries(
             lambda: self.reference.score(prompt + ids, top_logprobs=self.top_logprobs, names=True),
             attempts=self.attempts,
