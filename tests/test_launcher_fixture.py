@@ -1,0 +1,87 @@
+"""The launcher the stage tests run ``quanthunt`` with (tests/fixtures/launcher.py): a
+command forked from the preloaded Python must answer exactly as a new interpreter does,
+in its own directory and environment, and one that hangs is killed with what it started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from fixtures.launcher import Launcher, launcher
+from fixtures.project import BIN
+from fixtures.sandbox import provider, roster_dict
+
+QUANTHUNT = str(BIN / "quanthunt")
+
+
+@pytest.fixture
+def started(tmp_path: Path) -> Iterator[Launcher]:
+    (tmp_path / "launcher").mkdir()
+    with launcher(tmp_path / "launcher") as server:
+        if server is None:
+            pytest.skip("QUANTHUNT_TEST_FRESH_PROCESSES is set: the tests start no launcher")  # and use none
+        yield server
+
+
+def fresh(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_a_command_answers_as_a_new_interpreter_does(started: Launcher, tmp_path: Path) -> None:
+    (tmp_path / "params.yaml").write_text("survey: [not, a, mapping\n")
+    env = dict(os.environ)
+    for argv in (
+        [QUANTHUNT, "survey", "--params", "params.yaml"],  # a bad params file: exit 2 and one line
+        [QUANTHUNT, "survey", "--params", "missing.yaml"],
+        [QUANTHUNT, "no-such-command"],  # a usage error
+    ):
+        launched, new = started.run(argv, tmp_path, env, 60), fresh(argv, tmp_path, env)
+        assert (launched.returncode, launched.stdout, launched.stderr) == (new.returncode, new.stdout, new.stderr)
+        assert launched.returncode != 0 and launched.stderr
+
+
+def test_each_command_has_its_own_directory_and_environment(started: Launcher, tmp_path: Path) -> None:
+    for name, columns in (("narrow", "60"), ("wide", "160"), ("narrow-again", "60")):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        (cwd / "params.yaml").write_text(f"{name}: [\n")  # the error names this directory's file
+        env = dict(os.environ, COLUMNS=columns)
+        argv = [QUANTHUNT, "survey", "--params", "params.yaml"]
+        assert started.run(argv, cwd, env, 60).stderr == fresh(argv, cwd, env).stderr
+        argv = [QUANTHUNT, "survey", "--help"]  # rich wraps the help to $COLUMNS
+        launched = started.run(argv, cwd, env, 60)
+        assert launched.stdout == fresh(argv, cwd, env).stdout
+        assert max(len(line) for line in launched.stdout.splitlines()) == int(columns)
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_text():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_command_past_its_timeout_is_killed(started: Launcher, tmp_path: Path) -> None:
+    roster = tmp_path / "roster.yaml"  # unique to this test: in the command line of what it starts
+    roster.write_text(yaml.safe_dump(roster_dict(provider("alpha"))))
+    marker = str(roster)
+    argv = [QUANTHUNT, "sandbox", "serve", "--mode", "latency", "--port", "0", "--roster", marker]
+    begun = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        started.run(argv, tmp_path, dict(os.environ, PYTHONUNBUFFERED="1"), timeout=5)
+    assert 5 <= time.monotonic() - begun < 15
+    assert "http://127.0.0.1:" in str(timed_out.value.stdout)  # it was serving when the timeout came
+    deadline = time.monotonic() + 5
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(marker) == []
+    assert started.run([QUANTHUNT, "--help"], tmp_path, dict(os.environ), 60).returncode == 0  # the launcher serves on
