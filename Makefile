@@ -86,9 +86,11 @@ typecheck: install
 # tests/fixtures/sandbox.py says why). Work stealing, because the tests' lengths differ by
 # 1000x: under --dist load the tests' durations summed to 1,646 s of two workers' 2 x 1,379 s
 # (a worker's queue of long stage tests ran while the other had none left): 22 min 59 s,
-# against 14 min 18 s stealing, same machine, same evening. A third worker gains little: 17 min
-# 46 s against 18 min 28 s with two (2026-12-07, the same EPYC an hour apart), for 12 % more CPU
-# time, the suite being CPU-bound (two workers kept the cores 83 % busy). TEST_WORKERS=0 runs serially.
+# against 14 min 18 s stealing, same machine, same evening. A third worker: 17 min 46 s against
+# 18 min 28 s with two, then (the tests' commands from a preloaded Python) 12 min 14 s against
+# 13 min 49 s (2026-12-07, the same EPYC, one run each); two kept, as the suite is CPU-bound
+# (cores 90-100 % busy) and its timing-bound tests would run beside more contention.
+# TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 unit: install
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal -m "not engines" --durations=15
