@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from fixtures.postgres import PostgresServer
 from test_generation import HASH, FixedCostChat, job, records
 
 from quanthunt.errors import ConfigError
@@ -202,3 +204,27 @@ def test_a_run_stops_at_the_teams_cap_across_workers(connect: Callable[[], Postg
     spend = ledger.spend(dataset="chat")
     assert 0 < spend.settled_usd + spend.unknown_usd <= 2e-4
     assert work_left(ledger, "chat", HASH)["todo"] > 0
+
+
+def test_a_restart_takes_no_worker_for_dead_before_it_could_reconnect(
+    connect: Callable[[], PostgresLedger], postgres_server: PostgresServer
+) -> None:
+    """A restart drops every session lock; a live worker takes its lock again only when it
+    next reaches the server. Three heartbeats after the restart, neither a live worker nor
+    one that died with the server is taken for dead (no lock tells them apart yet); after
+    ``dead_after_s`` of silence the dead one is, and the one that beat again is not."""
+    patient = Coordination(heartbeat_s=0.1, dead_after_s=3.0, claim=4, lease_requests=4)
+    ledger = connect()
+    publish(ledger, published(job()), records("a", "b"), team="ml", team_cap_usd=5.0)
+    live, gone = Worker.register(connect(), published(job())), Worker.register(connect(), published(job()))
+    gone.ledger.close()  # its process died while the server was down
+    postgres_server.restart_immediate()
+    restarted = time.monotonic()
+    time.sleep(3 * patient.heartbeat_s + 0.2)
+    assert reap(ledger, "chat", HASH, patient) == []  # both lockless and late: it once retired both
+    while time.monotonic() < restarted + patient.dead_after_s + 0.5:
+        assert asyncio.run(live.heartbeat()) is True  # reconnects, takes its lock again, beats
+        time.sleep(patient.heartbeat_s)
+    assert reap(ledger, "chat", HASH, patient) == [gone.id]
+    why = ledger.query("SELECT id, alive, retired_why FROM workers ORDER BY id")
+    assert why == [(live.id, True, None), (gone.id, False, "presumed dead: its session ended")]

@@ -39,6 +39,9 @@ RIDE_OUT_S = 120.0
 """How long a host keeps trying while the server is away (a restart, a partition) before
 an operation fails."""
 
+RIDE_OUT_PAUSE_S = 1.0
+"""The longest pause between two tries (they start 50 ms apart and double)."""
+
 CONNECTION: dict[str, Any] = {
     "connect_timeout": 5,
     "keepalives": 1,
@@ -234,7 +237,7 @@ class PostgresLedger(Ledger):
                 if time.monotonic() > deadline:
                     raise
             time.sleep(pause)
-            pause = min(2 * pause, 1.0)
+            pause = min(2 * pause, RIDE_OUT_PAUSE_S)
             with self._lock, contextlib.suppress(psycopg.OperationalError):
                 if self._reads.broken or self._reads.closed:
                     self._reads = self._connect(reads=True)

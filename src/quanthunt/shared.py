@@ -238,11 +238,16 @@ def reap(ledger: PostgresLedger, dataset: str, params_hash: str, coordination: C
     advisory lock (the process is gone) and it has missed three heartbeats, or it has not
     beaten for ``dead_after_s`` (stopped, or cut off). Time is the server's, and counts
     from the server's start at the earliest: a restart drops every lock and holds every
-    heartbeat back, and the workers that ride it out must not be taken for dead. Returns
-    their ids."""
+    heartbeat back, and the workers that ride it out must not be taken for dead. So a
+    missing lock counts only for a worker that has beaten since the server started (its
+    heartbeat's session took the lock again): a live worker reaches a restarted server only
+    at its next try, and its tries back off up to 1 s (``ledger_postgres.RIDE_OUT_PAUSE_S``),
+    longer than three of the tests' 0.3 s heartbeats (a scale-out test saw both its workers
+    taken for dead that way); one that died with the server is found by its silence.
+    Returns their ids."""
     rows = ledger.query(
         """SELECT w.id, now() - GREATEST(w.heartbeat_at, pg_postmaster_start_time()) > make_interval(secs => ?),
-                  now() - GREATEST(w.heartbeat_at, pg_postmaster_start_time()) > make_interval(secs => ?),
+                  now() - w.heartbeat_at > make_interval(secs => ?) AND w.heartbeat_at > pg_postmaster_start_time(),
                   EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted
                                                      AND l.classid = ? AND l.objid = w.id AND l.objsubid = 2)
            FROM workers w WHERE w.alive AND w.dataset = ? AND w.params_hash = ?""",
