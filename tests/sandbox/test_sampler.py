@@ -21,7 +21,6 @@ QUESTIONS = ("Explain how a hash map works.", "Write a haiku about rain.", "Why 
 
 
 def test_batch_composition_flips_few_fp32_completions() -> None:
-    torch.set_num_threads(2)
     model, tokenizer = load_reference()
     sampler = Sampler(model, tokenizer, stop_token_ids=[])
     requests = []
@@ -42,7 +41,6 @@ def test_requests_joining_a_running_batch_get_their_own_text() -> None:
     """A lane admits requests between steps: each one staggered into a running batch draws the
     same tokens as when it ran alone (up to the near-tie flips measured above), stops at its
     own max_tokens, and leaves the others running."""
-    torch.set_num_threads(2)
     model, tokenizer = load_reference()
     sampler = Sampler(model, tokenizer, stop_token_ids=[])
     requests = []
@@ -124,7 +122,6 @@ def _assert_same_scores(cached: list[TokenLogprob | None], whole: list[TokenLogp
 def test_a_cached_prefix_scores_what_the_whole_sequence_does() -> None:
     """Completions of one prompt reuse its blocks (and another prompt the shared header), and
     every position scores as in one uncached pass, up to fp32 rounding (2e-5 at most measured)."""
-    torch.set_num_threads(2)
     model, tokenizer = load_reference()
     decoder = Decoder(model)
     sequences = _scored_sequences(tokenizer)
@@ -144,7 +141,6 @@ def test_a_cached_prefix_scores_what_the_whole_sequence_does() -> None:
 
 
 def test_the_score_cache_keeps_to_its_budget_and_forgets_the_least_recently_used() -> None:
-    torch.set_num_threads(2)
     model, tokenizer = load_reference()
     decoder = Decoder(model)
     sequences = _scored_sequences(tokenizer)
