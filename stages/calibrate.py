@@ -11,6 +11,7 @@ measured. One MLflow run.
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 
 from rich.console import Console
@@ -20,6 +21,7 @@ from quanthunt.connection import open_targets
 from quanthunt.outputs import Outputs
 from quanthunt.probes import select_probes
 from quanthunt.prompts import load_prompts
+from quanthunt.sandbox.server import deployment_url
 from quanthunt.stage import Stage
 
 
@@ -35,10 +37,10 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
             datasets = {name: load_prompts(paths.prompt_file(root, name)) for name in params.datasets}
             probes = select_probes(datasets, count=c.prompts, seed=params.verify.seed)
             with open_targets(params, root=root, stage="calibrate", needs_model=True) as targets:
-                sandbox = targets.sandbox
+                base = targets.sandbox_url
                 result = asyncio.run(
                     measure_all(params, probes, reference_url=targets.reference_url,
-                                sandbox_url=sandbox.deployment_url if sandbox is not None else None,
+                                sandbox_url=functools.partial(deployment_url, base) if base else None,
                                 on_progress=console.print)
                 )  # fmt: skip
             for name in params.datasets:

@@ -57,7 +57,7 @@ def main(params_path: Path, *, console: Console | None = None) -> None:
                 "candidates": ",".join(r.tag for r in candidates),
                 "declared_precision": ",".join(sorted({f"{r.tag}={r.declared_quantization}" for r in rows})),
                 "model": params.survey.model,
-                "gateway": "sandbox" if targets.sandbox else targets.api_url,
+                "gateway": "sandbox" if targets.sandbox_url else targets.api_url,
             }
         )
         for path in (paths.survey_providers, paths.survey_plan, paths.survey_metrics):

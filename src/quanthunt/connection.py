@@ -1,18 +1,31 @@
 """Where a stage sends its requests: the configured gateway and reference deployment,
-or, when either is ``sandbox``, a sandbox started for the stage's duration."""
+or, when either is ``sandbox``, a sandbox: the run's shared one when it serves the
+stage's roster (``quanthunt sandbox share``, as ``make run`` runs ``dvc repro``), else
+one started for the stage's duration."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-from collections.abc import Iterator
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
+from quanthunt.errors import ConfigError
 from quanthunt.params import SANDBOX, Params
 from quanthunt.sandbox.roster import default_roster_path, load_roster
-from quanthunt.sandbox.server import SandboxProcess
+from quanthunt.sandbox.server import API_PATH, REFERENCE_PATH, SandboxProcess
+
+SHARED_SANDBOX_ENV = "QUANTHUNT_SANDBOX_URL"
+"""The base URL of a model sandbox that serves every stage of one run. Starting one takes
+a stage ~4 s (the model's weights and tokenizer) and stopping it ~1 s, and each precision
+is built again on first use (1-4 s): ``make run`` has 14 stages that start one (2026-12-07,
+EPYC: 5.4 s a start and stop measured alone)."""
 
 
 @dataclass(frozen=True)
@@ -21,7 +34,8 @@ class Targets:
 
     api_url: str
     reference_url: str
-    sandbox: SandboxProcess | None = None
+    sandbox_url: str | None = None
+    """The base URL of the sandbox serving the stage (its own or the run's shared one)."""
     roster: Path | None = None
     """The roster file the sandbox serves (its built-in one unless ``sandbox.roster``)."""
     gateway: str = ""
@@ -43,22 +57,87 @@ def open_targets(params: Params, *, root: Path, stage: str, needs_model: bool) -
         yield Targets(params.api.base_url, params.reference.base_url, gateway=params.api.base_url)
         return
     roster = root / params.sandbox.roster if params.sandbox.roster else None
-    sandbox = SandboxProcess(
-        mode="model" if needs_model else "latency",
-        roster=roster,
-        log_path=root / params.paths.logs / f"sandbox-{stage}.log",
-    )
-    with sandbox:
+    shared = shared_sandbox(roster, needs_model=needs_model)
+    own = None
+    if shared is None:
+        own = SandboxProcess(
+            mode="model" if needs_model else "latency",
+            roster=roster,
+            log_path=root / params.paths.logs / f"sandbox-{stage}.log",
+        )
+    with own or contextlib.nullcontext():
+        url = shared or (own.url if own else "")
         yield Targets(
-            api_url=sandbox.api_url if params.api.base_url == SANDBOX else params.api.base_url,
-            reference_url=sandbox.reference_url if params.reference.base_url == SANDBOX else params.reference.base_url,
-            sandbox=sandbox,
+            api_url=url + API_PATH if params.api.base_url == SANDBOX else params.api.base_url,
+            reference_url=url + REFERENCE_PATH if params.reference.base_url == SANDBOX else params.reference.base_url,
+            sandbox_url=url,
             roster=roster or default_roster_path(),
             gateway=sandbox_gateway(roster) if params.api.base_url == SANDBOX else params.api.base_url,
         )
 
 
+def shared_sandbox(roster: Path | None, *, needs_model: bool) -> str | None:
+    """The run's shared sandbox (``$QUANTHUNT_SANDBOX_URL``) if it serves ``roster`` as
+    the stage needs it (the same roster, digest for digest; the model, if the stage needs
+    it), else None: the stage starts its own, with a note on stderr when one was named but
+    does not answer or serves something else. A roster that counts from the sandbox's
+    start (a drift, a reference outage) is never shared."""
+    url = os.environ.get(SHARED_SANDBOX_ENV, "").strip().rstrip("/")
+    if not url:
+        return None
+    wanted = load_roster(roster)
+    if wanted.counts_from_start:
+        return None
+    try:
+        health = httpx.get(f"{url}/health", timeout=5.0).json()
+    except (httpx.HTTPError, ValueError):
+        health = None
+    if not isinstance(health, dict) or health.get("status") != "ok":
+        why = "does not answer"
+    elif health.get("roster") != wanted.digest():
+        why = "serves another roster"
+    elif needs_model and health.get("mode") != "model":
+        why = "serves no model (latency mode)"
+    else:
+        return url
+    print(f"note: the shared sandbox at {url} ({SHARED_SANDBOX_ENV}) {why}; this stage starts its own", file=sys.stderr)
+    return None
+
+
+def run_with_shared_sandbox(params: Params, *, root: Path, command: Sequence[str]) -> int:
+    """Run ``command`` (``dvc repro``) with one model sandbox serving all its stages, and
+    return its exit code. Without a sandbox in ``params``, or with a roster that counts
+    from the start, the command runs alone (each stage starts its own, as under a bare
+    ``dvc repro``).
+
+    A Ctrl-C at the terminal reaches the command, whose stages stop sending and wait for
+    their requests: the sandbox (in a session of its own) serves them until the command
+    has ended. A SIGTERM sent to this process is passed on to the command."""
+    roster = root / params.sandbox.roster if params.sandbox.roster else None
+    if not params.uses_sandbox or load_roster(roster).counts_from_start:
+        return _started(command, dict(os.environ)).wait()
+    log = root / params.paths.logs / "sandbox-shared.log"
+    with SandboxProcess(mode="model", roster=roster, log_path=log) as sandbox:
+        child = _started(command, {**os.environ, SHARED_SANDBOX_ENV: sandbox.url})
+        previous = {
+            signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+            signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM)),
+        }
+        try:
+            code = child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    return code if code >= 0 else 128 - code
+
+
+def _started(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    try:
+        return subprocess.Popen(list(command), env=env)  # noqa: S603 - the user's own command
+    except OSError as exc:
+        raise ConfigError(f"cannot run {command[0]!r}: {exc.strerror}") from None
+
+
 def sandbox_gateway(roster: Path | None) -> str:
     """The sandbox gateway's identity: a digest of what its roster has it serve."""
-    served = load_roster(roster).model_dump(mode="json", exclude={"reference_flavour", "reference_outage"})
-    return f"{SANDBOX}:{hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()}"
+    return f"{SANDBOX}:{load_roster(roster).digest(exclude=frozenset({'reference_flavour', 'reference_outage'}))}"

@@ -24,3 +24,16 @@ def serve(
     from quanthunt.sandbox.server import serve as run
 
     run(host=host, port=port, roster_path=roster, mode=mode, allow_remote=allow_remote)
+
+
+@app.command()
+def share(
+    command: Annotated[list[str], typer.Argument(help="The command to run, after --: e.g. -- dvc repro")],
+    params: Annotated[Path, typer.Option("--params", help="The params file whose sandbox to serve.")] = Path("params.yaml"),
+) -> None:
+    """Run a command (`dvc repro`) with one model sandbox serving all its stages."""
+    from quanthunt.connection import run_with_shared_sandbox
+    from quanthunt.params import load_params
+
+    code = run_with_shared_sandbox(load_params(params), root=params.resolve().parent, command=command)
+    raise typer.Exit(code)

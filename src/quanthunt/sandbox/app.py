@@ -519,7 +519,9 @@ class Sandbox:
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "mode": self.engine.mode, "model": self.roster.model.id})
+        return JSONResponse(
+            {"status": "ok", "mode": self.engine.mode, "model": self.roster.model.id, "roster": self.roster.digest()}
+        )
 
 
 class SandboxApp:

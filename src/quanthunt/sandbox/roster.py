@@ -9,6 +9,8 @@ show them (name, tag, declared quantization, prices, ...); ``precision``, ``mixt
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -438,6 +440,18 @@ class Roster(_Strict):
         name or slug, one for a tag (a bare-slug tag names the provider)."""
         wanted = ref.strip().lower()
         return tuple(p for p in self.providers if wanted in (p.name.lower(), p.slug, p.tag.lower()))
+
+    def digest(self, *, exclude: frozenset[str] = frozenset()) -> str:
+        """sha256 of what the roster has a sandbox serve (its fields but ``exclude``)."""
+        served = self.model_dump(mode="json", exclude=set(exclude))
+        return hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def counts_from_start(self) -> bool:
+        """Whether a request's answer depends on what the sandbox served before it or on
+        when it started: a drift or a reference outage (each counts requests or seconds
+        from the start). Such a roster is never shared between stages."""
+        return self.reference_outage is not None or any(p.drift for p in self.providers)
 
 
 DEFAULT_ROSTER = "roster.yaml"

@@ -22,6 +22,18 @@ from quanthunt.errors import SandboxError
 from quanthunt.urls import is_loopback
 
 READY_PREFIX = "quanthunt sandbox serving "
+API_PATH = "/api/v1"
+"""Where below its base URL the sandbox serves the OpenRouter API."""
+REFERENCE_PATH = "/reference/v1"
+"""... and its reference deployment (an OpenAI-compatible server, as vLLM's)."""
+
+
+def deployment_url(base_url: str, name: str) -> str:
+    """The API of the roster's deployment ``name`` (served as the reference is) on the
+    sandbox at ``base_url``."""
+    return f"{base_url}/deployments/{name}/v1"
+
+
 MODES = ("model", "latency")
 
 
@@ -174,15 +186,15 @@ class SandboxProcess(ChildServer):
 
     @property
     def api_url(self) -> str:
-        return f"{self.url}/api/v1"
+        return self.url + API_PATH
 
     @property
     def reference_url(self) -> str:
-        return f"{self.url}/reference/v1"
+        return self.url + REFERENCE_PATH
 
     def deployment_url(self, name: str) -> str:
         """The API of the roster's deployment ``name`` (served as the reference is)."""
-        return f"{self.url}/deployments/{name}/v1"
+        return deployment_url(self.url, name)
 
     @property
     def pid(self) -> int | None:
