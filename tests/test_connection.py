@@ -1,6 +1,7 @@
-"""Where a stage sends its requests (quanthunt.connection): the run's shared sandbox when
-it serves the stage's roster as the stage needs it, else one of the stage's own; and the
-command that runs a pipeline beside one shared sandbox (``quanthunt sandbox share``)."""
+"""Where a stage sends its requests (quanthunt.connection): a gateway of its own roster on
+the run's shared sandbox, which starts as a sandbox of its own would, else a sandbox of its
+own; and the command that runs a pipeline beside one shared sandbox (``quanthunt sandbox
+share``)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fixtures.sandbox import provider, roster_dict
+from fixtures.sandbox import AUTH, MODEL_ID, provider, roster_dict
+from starlette.testclient import TestClient
 
-from quanthunt.connection import SHARED_SANDBOX_ENV, open_targets, run_with_shared_sandbox, shared_sandbox
+from quanthunt.connection import SHARED_SANDBOX_ENV, open_targets, run_with_shared_sandbox, shared_gateway
 from quanthunt.errors import ConfigError
 from quanthunt.params import SANDBOX, Params, parse_params
-from quanthunt.sandbox.roster import load_roster
+from quanthunt.sandbox.app import SandboxServer
+from quanthunt.sandbox.engine import LatencyEngine
+from quanthunt.sandbox.roster import Roster
 from quanthunt.sandbox.server import SandboxProcess
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,73 +45,96 @@ def sandbox_params(roster: Path) -> Params:
     return shipped_params(sandbox={"roster": roster.name}, api={"base_url": SANDBOX}, reference={"base_url": SANDBOX})
 
 
-def test_a_stage_uses_the_shared_sandbox_that_serves_its_roster(
+def endpoints(api_url: str) -> list[str]:
+    reply = httpx.get(f"{api_url}/models/{MODEL_ID}/endpoints", headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    return sorted(e["tag"] for e in reply.json()["data"]["endpoints"])
+
+
+def test_a_stage_opens_a_gateway_of_its_own_roster_on_the_shared_sandbox(
     latency_sandbox: Callable[..., SandboxProcess], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     shared = latency_sandbox(ROSTER)
     monkeypatch.setenv(SHARED_SANDBOX_ENV, shared.url + "/")
-    assert shared_sandbox(write(tmp_path / "same.yaml", ROSTER), needs_model=False) == shared.url
-    assert capsys.readouterr().err == ""
 
     def no_own_sandbox(self: SandboxProcess, *args: Any) -> SandboxProcess:
         raise AssertionError("a stage started a sandbox of its own beside the shared one")
 
     monkeypatch.setattr(SandboxProcess, "start", no_own_sandbox)
-    params = sandbox_params(tmp_path / "same.yaml")
-    with open_targets(params, root=tmp_path, stage="survey", needs_model=False) as targets:
-        assert (targets.api_url, targets.reference_url) == (f"{shared.url}/api/v1", f"{shared.url}/reference/v1")
-        assert targets.sandbox_url == shared.url
-        assert httpx.get(f"{targets.api_url}/models").status_code == 200
-    assert httpx.get(f"{shared.url}/health").json()["status"] == "ok"  # leaving the stage leaves it serving
+    write(tmp_path / "other.yaml", roster_dict(provider("gamma"), provider("delta"), provider("epsilon")))
+    with open_targets(sandbox_params(tmp_path / "other.yaml"), root=tmp_path, stage="survey", needs_model=False) as targets:
+        base = targets.sandbox_url
+        assert base is not None and base.startswith(f"{shared.url}/gateways/")
+        assert (targets.api_url, targets.reference_url) == (f"{base}/api/v1", f"{base}/reference/v1")
+        assert endpoints(targets.api_url) == ["delta/int4", "epsilon/int4", "gamma/int4"]  # the stage's roster
+        assert endpoints(shared.api_url) == ["alpha/int4", "beta/int4"]  # beside the sandbox's own
+    assert httpx.get(f"{base}/api/v1/models").status_code == 404  # closed with the stage
+    assert httpx.get(f"{shared.url}/health").json()["status"] == "ok"  # the sandbox serves on
+    assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize(
-    ("stage_roster", "needs_model", "why"),
-    [
-        (roster_dict(provider("alpha")), False, "serves another roster"),
-        (roster_dict(provider("alpha"), provider("beta", latency_ms=1)), False, "serves another roster"),
-        (ROSTER, True, "serves no model (latency mode)"),
-    ],
-)
-def test_a_stage_starts_its_own_when_the_shared_sandbox_serves_something_else(
+def test_each_gateway_starts_as_a_new_sandbox_would(
+    latency_sandbox: Callable[..., SandboxProcess], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accounts, counters and the drift clock are the gateway's: what one stage spent or
+    drifted is not the next stage's, as with a sandbox process of its own per stage."""
+    roster = roster_dict(provider("alpha", drift=[{"after_requests": 1, "precision": "nvfp4"}]), credits={"default_usd": 1.0})
+    monkeypatch.setenv(SHARED_SANDBOX_ENV, latency_sandbox(ROSTER).url)
+    ask = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for _ in range(2):  # two stages, one after the other
+        with shared_gateway(write(tmp_path / "r.yaml", roster), needs_model=False) as base:
+            assert base is not None
+            stats = httpx.get(f"{base}/api/v1/sandbox/stats", headers=AUTH).json()
+            assert (stats["requests"], stats["key"]["usage"], stats["drift"]) == (0, 0.0, {"alpha/int4": None})
+            for _ in range(2):
+                assert httpx.post(f"{base}/api/v1/chat/completions", json=ask, headers=AUTH).status_code == 200
+            stats = httpx.get(f"{base}/api/v1/sandbox/stats", headers=AUTH).json()
+            assert stats["requests"] == 2 and stats["key"]["usage"] > 0 and stats["drift"]["alpha/int4"] is not None
+
+
+def test_a_stage_that_needs_the_model_starts_its_own_beside_a_latency_sandbox(
     latency_sandbox: Callable[..., SandboxProcess], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str], stage_roster: dict[str, Any], needs_model: bool, why: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
-    shared = latency_sandbox(ROSTER)
-    monkeypatch.setenv(SHARED_SANDBOX_ENV, shared.url)
-    assert shared_sandbox(write(tmp_path / "stage.yaml", stage_roster), needs_model=needs_model) is None
-    assert capsys.readouterr().err == (
-        f"note: the shared sandbox at {shared.url} ({SHARED_SANDBOX_ENV}) {why}; this stage starts its own\n"
-    )
+    monkeypatch.setenv(SHARED_SANDBOX_ENV, latency_sandbox(ROSTER).url)
+    with shared_gateway(write(tmp_path / "r.yaml", ROSTER), needs_model=True) as base:
+        assert base is None
+    assert capsys.readouterr().err == ""  # no surprise: the shared one serves no model
 
 
 def test_a_shared_sandbox_that_does_not_answer_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv(SHARED_SANDBOX_ENV, "http://127.0.0.1:9")  # the discard port: refused
-    assert shared_sandbox(write(tmp_path / "r.yaml", ROSTER), needs_model=False) is None
-    assert "http://127.0.0.1:9 (QUANTHUNT_SANDBOX_URL) does not answer; this stage starts its own" in capsys.readouterr().err
+    with shared_gateway(write(tmp_path / "r.yaml", ROSTER), needs_model=False) as base:
+        assert base is None
+    assert "at http://127.0.0.1:9 (QUANTHUNT_SANDBOX_URL) opened no gateway (ConnectError); this stage starts its own" in (
+        capsys.readouterr().err
+    )
 
 
-def test_a_roster_that_counts_from_the_start_is_never_shared(
-    latency_sandbox: Callable[..., SandboxProcess], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    drifting = roster_dict(provider("alpha", drift=[{"after_requests": 3, "precision": "nvfp4"}]), provider("beta"))
-    outage = roster_dict(provider("alpha"), reference_outage={"after": 5})
-    for roster in (drifting, outage):
-        path = write(tmp_path / "r.yaml", roster)
-        assert load_roster(path).counts_from_start
-        monkeypatch.setenv(SHARED_SANDBOX_ENV, latency_sandbox(roster).url)  # even one serving this very roster
-        assert shared_sandbox(path, needs_model=False) is None
-    assert not load_roster(write(tmp_path / "plain.yaml", ROSTER)).counts_from_start
+def test_gateways_are_opened_and_closed_with_clear_errors() -> None:
+    client = TestClient(SandboxServer(Roster.model_validate(ROSTER), LatencyEngine(reply_tokens=4)))
+    bad = client.post("/gateways", json={"roster": {"providers": []}})
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("roster: providers: ")
+    assert client.post("/gateways", content=b"not json").json()["error"]["message"] == 'the body must be JSON: {"roster": {...}}'
+    assert client.get("/gateways").status_code == 405
+    opened = client.post("/gateways", json={"roster": ROSTER})
+    assert opened.status_code == 201 and opened.json()["mode"] == "latency"
+    path = opened.json()["path"]
+    assert client.get(f"{path}/health").json()["status"] == "ok"
+    missing = client.get(f"{path}/api/v1/nowhere")
+    assert missing.status_code == 404 and path in missing.json()["error"]["message"]  # errors name the full path
+    assert client.delete(path).status_code == 204
+    assert client.get(f"{path}/health").status_code == 404
+    assert client.get("/health").json()["status"] == "ok"
 
 
 ASK = """
 import os, sys, httpx
 url = os.environ["QUANTHUNT_SANDBOX_URL"]
-health = httpx.get(url + "/health").json()
-open(sys.argv[2], "w").write(" ".join([url, health["mode"], health["roster"]]))
+open(sys.argv[2], "w").write(" ".join([url, httpx.get(url + "/health").json()["mode"]]))
 sys.exit(int(sys.argv[1]))
 """
 
@@ -118,8 +145,8 @@ def test_share_runs_the_command_beside_one_model_sandbox_and_stops_it(tmp_path: 
     seen = tmp_path / "seen.txt"
     command = [sys.executable, "-c", ASK, "3", str(seen)]
     assert run_with_shared_sandbox(sandbox_params(roster), root=tmp_path, command=command) == 3  # the command's code
-    url, mode, digest = seen.read_text().split()
-    assert (mode, digest) == ("model", load_roster(roster).digest())
+    url, mode = seen.read_text().split()
+    assert mode == "model"
     assert (tmp_path / "logs" / "sandbox-shared.log").is_file()
     with pytest.raises(httpx.ConnectError):  # stopped once the command ended
         httpx.get(f"{url}/health", timeout=2)

@@ -1,7 +1,7 @@
 """Where a stage sends its requests: the configured gateway and reference deployment,
-or, when either is ``sandbox``, a sandbox: the run's shared one when it serves the
-stage's roster (``quanthunt sandbox share``, as ``make run`` runs ``dvc repro``), else
-one started for the stage's duration."""
+or, when either is ``sandbox``, a sandbox: a gateway of the stage's roster opened on the
+run's shared sandbox (``quanthunt sandbox share``, as ``make run`` runs ``dvc repro``),
+else one started for the stage's duration."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ import httpx
 from quanthunt.errors import ConfigError
 from quanthunt.params import SANDBOX, Params
 from quanthunt.sandbox.roster import default_roster_path, load_roster
-from quanthunt.sandbox.server import API_PATH, REFERENCE_PATH, SandboxProcess
+from quanthunt.sandbox.server import API_PATH, GATEWAYS_PATH, REFERENCE_PATH, SandboxProcess
 
 SHARED_SANDBOX_ENV = "QUANTHUNT_SANDBOX_URL"
-"""The base URL of a model sandbox that serves every stage of one run. Starting one takes
-a stage ~4 s (the model's weights and tokenizer) and stopping it ~1 s, and each precision
-is built again on first use (1-4 s): ``make run`` has 14 stages that start one (2026-12-07,
-EPYC: 5.4 s a start and stop measured alone)."""
+"""The base URL of a model sandbox whose model serves every stage of one run, each stage
+through a gateway of its own. Starting one takes a stage ~4 s (the model's weights and
+tokenizer) and stopping it ~1 s, and each precision is built again on first use (1-4 s):
+``make run`` has 14 stages that start one (2026-12-07, EPYC: 5.4 s a start and stop
+measured alone)."""
 
 
 @dataclass(frozen=True)
@@ -57,16 +58,12 @@ def open_targets(params: Params, *, root: Path, stage: str, needs_model: bool) -
         yield Targets(params.api.base_url, params.reference.base_url, gateway=params.api.base_url)
         return
     roster = root / params.sandbox.roster if params.sandbox.roster else None
-    shared = shared_sandbox(roster, needs_model=needs_model)
-    own = None
-    if shared is None:
-        own = SandboxProcess(
-            mode="model" if needs_model else "latency",
-            roster=roster,
-            log_path=root / params.paths.logs / f"sandbox-{stage}.log",
-        )
-    with own or contextlib.nullcontext():
-        url = shared or (own.url if own else "")
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(shared_gateway(roster, needs_model=needs_model))
+        if url is None:
+            mode = "model" if needs_model else "latency"
+            log = root / params.paths.logs / f"sandbox-{stage}.log"
+            url = stack.enter_context(SandboxProcess(mode=mode, roster=roster, log_path=log)).url
         yield Targets(
             api_url=url + API_PATH if params.api.base_url == SANDBOX else params.api.base_url,
             reference_url=url + REFERENCE_PATH if params.reference.base_url == SANDBOX else params.reference.base_url,
@@ -76,45 +73,45 @@ def open_targets(params: Params, *, root: Path, stage: str, needs_model: bool) -
         )
 
 
-def shared_sandbox(roster: Path | None, *, needs_model: bool) -> str | None:
-    """The run's shared sandbox (``$QUANTHUNT_SANDBOX_URL``) if it serves ``roster`` as
-    the stage needs it (the same roster, digest for digest; the model, if the stage needs
-    it), else None: the stage starts its own, with a note on stderr when one was named but
-    does not answer or serves something else. A roster that counts from the sandbox's
-    start (a drift, a reference outage) is never shared."""
+@contextlib.contextmanager
+def shared_gateway(roster: Path | None, *, needs_model: bool) -> Iterator[str | None]:
+    """A gateway of ``roster`` opened on the run's shared sandbox (``$QUANTHUNT_SANDBOX_URL``)
+    for the stage, and closed after it: its base URL, or None when no sandbox is shared or it
+    serves no model where the stage needs one (the stage then starts its own; a shared one
+    that does not answer is named on stderr). The gateway starts as a new sandbox would
+    (accounts, fault draws, drift clock, generations); only the model is the run's."""
     url = os.environ.get(SHARED_SANDBOX_ENV, "").strip().rstrip("/")
     if not url:
-        return None
-    wanted = load_roster(roster)
-    if wanted.counts_from_start:
-        return None
+        yield None
+        return
+    served = load_roster(roster).model_dump(mode="json")
     try:
-        health = httpx.get(f"{url}/health", timeout=5.0).json()
-    except (httpx.HTTPError, ValueError):
-        health = None
-    if not isinstance(health, dict) or health.get("status") != "ok":
-        why = "does not answer"
-    elif health.get("roster") != wanted.digest():
-        why = "serves another roster"
-    elif needs_model and health.get("mode") != "model":
-        why = "serves no model (latency mode)"
-    else:
-        return url
-    print(f"note: the shared sandbox at {url} ({SHARED_SANDBOX_ENV}) {why}; this stage starts its own", file=sys.stderr)
-    return None
+        opened = httpx.post(url + GATEWAYS_PATH, json={"roster": served}, timeout=10.0)
+        opened.raise_for_status()
+        answer = opened.json()
+        base = url + answer["path"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        print(f"note: the shared sandbox at {url} ({SHARED_SANDBOX_ENV}) opened no gateway ({type(exc).__name__});"
+              " this stage starts its own", file=sys.stderr)  # fmt: skip
+        yield None
+        return
+    try:
+        yield base if answer.get("mode") == "model" or not needs_model else None
+    finally:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.delete(base, timeout=10.0)
 
 
 def run_with_shared_sandbox(params: Params, *, root: Path, command: Sequence[str]) -> int:
     """Run ``command`` (``dvc repro``) with one model sandbox serving all its stages, and
-    return its exit code. Without a sandbox in ``params``, or with a roster that counts
-    from the start, the command runs alone (each stage starts its own, as under a bare
-    ``dvc repro``).
+    return its exit code (each stage opens a gateway of its own roster on it). Without a
+    sandbox in ``params`` the command runs alone.
 
     A Ctrl-C at the terminal reaches the command, whose stages stop sending and wait for
     their requests: the sandbox (in a session of its own) serves them until the command
     has ended. A SIGTERM sent to this process is passed on to the command."""
     roster = root / params.sandbox.roster if params.sandbox.roster else None
-    if not params.uses_sandbox or load_roster(roster).counts_from_start:
+    if not params.uses_sandbox:
         return _started(command, dict(os.environ)).wait()
     log = root / params.paths.logs / "sandbox-shared.log"
     with SandboxProcess(mode="model", roster=roster, log_path=log) as sandbox:

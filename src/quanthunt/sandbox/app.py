@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -41,6 +42,7 @@ from quanthunt.sandbox.render import error_response, logprob_items, text_deltas
 from quanthunt.sandbox.requests import BadRequest, ChatParams, parse_chat, parse_json_object
 from quanthunt.sandbox.roster import Provider, Roster, Truth
 from quanthunt.sandbox.routing import NoEndpoint, route
+from quanthunt.sandbox.server import GATEWAYS_PATH
 
 
 class TokenBucket:
@@ -519,9 +521,7 @@ class Sandbox:
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse(
-            {"status": "ok", "mode": self.engine.mode, "model": self.roster.model.id, "roster": self.roster.digest()}
-        )
+        return JSONResponse({"status": "ok", "mode": self.engine.mode, "model": self.roster.model.id})
 
 
 class SandboxApp:
@@ -533,7 +533,8 @@ class SandboxApp:
         self.routed = routed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/api/v1/chat/completions":
+        route = scope["path"].removeprefix(scope.get("root_path", ""))  # below a gateway's prefix (SandboxServer)
+        if scope["type"] == "http" and scope["method"] == "POST" and route == "/api/v1/chat/completions":
             try:
                 response = await self.sandbox.chat_completions(Request(scope, receive))
             except Exception as exc:  # a bug must still answer JSON, as the routed app does
@@ -565,6 +566,58 @@ def create_app(roster: Roster, engine: CompletionEngine) -> SandboxApp:
     ]
     routed = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed, Exception: _crashed})
     return SandboxApp(sandbox, routed)
+
+
+class SandboxServer:
+    """What ``quanthunt sandbox serve`` serves: the gateway of its own roster at ``/``, and
+    gateways that clients open under ``/gateways/<id>`` with a roster of their own
+    (``POST /gateways`` with ``{"roster": {...}}``; ``DELETE /gateways/<id>`` closes one).
+    Each opened gateway starts as a new sandbox process would (its accounts, fault draws,
+    drift clock and counters, generations), and all of them share the one engine: the model
+    loaded once, each precision built once, the memo. That is what a run's stages share
+    (``quanthunt.connection``): starting a model sandbox takes ~4 s and each precision is
+    built again in a new process (1-4 s)."""
+
+    def __init__(self, roster: Roster, engine: CompletionEngine) -> None:
+        self.engine = engine
+        self.served = create_app(roster, engine)
+        self.opened: dict[str, SandboxApp] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path == GATEWAYS_PATH or path.startswith(GATEWAYS_PATH + "/")):
+            await self.served(scope, receive, send)
+            return
+        gateway, _, rest = path[len(GATEWAYS_PATH) :].strip("/").partition("/")
+        if not gateway:
+            response = await self._open(Request(scope, receive)) if scope["method"] == "POST" else _method_not_allowed(path)
+        elif gateway not in self.opened:
+            response = error_response(404, f"no gateway {gateway} (closed, or opened in another sandbox process)")
+        elif not rest and scope["method"] == "DELETE":
+            del self.opened[gateway]
+            response = Response(status_code=204)
+        else:  # the gateway's own routes, below its prefix as below a Starlette Mount
+            prefix = scope.get("root_path", "") + f"{GATEWAYS_PATH}/{gateway}"
+            await self.opened[gateway](dict(scope, root_path=prefix), receive, send)
+            return
+        await response(scope, receive, send)
+
+    async def _open(self, request: Request) -> Response:
+        try:
+            body = orjson.loads(await request.body())
+            roster = Roster.model_validate(body["roster"])
+        except (orjson.JSONDecodeError, TypeError, KeyError):
+            return error_response(400, 'the body must be JSON: {"roster": {...}}')
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            return error_response(400, f"roster: {'.'.join(map(str, first['loc']))}: {first['msg']}")
+        gateway = secrets.token_hex(8)
+        self.opened[gateway] = create_app(roster, self.engine)
+        return JSONResponse({"id": gateway, "path": f"{GATEWAYS_PATH}/{gateway}", "mode": self.engine.mode}, status_code=201)
+
+
+def _method_not_allowed(path: str) -> Response:
+    return error_response(405, f"{path}: POST opens a gateway")
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -446,13 +446,6 @@ class Roster(_Strict):
         served = self.model_dump(mode="json", exclude=set(exclude))
         return hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()
 
-    @property
-    def counts_from_start(self) -> bool:
-        """Whether a request's answer depends on what the sandbox served before it or on
-        when it started: a drift or a reference outage (each counts requests or seconds
-        from the start). Such a roster is never shared between stages."""
-        return self.reference_outage is not None or any(p.drift for p in self.providers)
-
 
 DEFAULT_ROSTER = "roster.yaml"
 

@@ -26,6 +26,8 @@ API_PATH = "/api/v1"
 """Where below its base URL the sandbox serves the OpenRouter API."""
 REFERENCE_PATH = "/reference/v1"
 """... and its reference deployment (an OpenAI-compatible server, as vLLM's)."""
+GATEWAYS_PATH = "/gateways"
+"""Where clients open gateways of their own rosters (``app.SandboxServer``)."""
 
 
 def deployment_url(base_url: str, name: str) -> str:
@@ -101,7 +103,7 @@ def serve(*, host: str, port: int, roster_path: Path | None, mode: str, allow_re
     """Load the roster and engine, bind, print the base URL, serve until interrupted."""
     import uvicorn
 
-    from quanthunt.sandbox.app import create_app
+    from quanthunt.sandbox.app import SandboxServer
     from quanthunt.sandbox.engine import CompletionEngine, LatencyEngine
     from quanthunt.sandbox.faults import silence_injected_faults
     from quanthunt.sandbox.roster import load_roster
@@ -130,7 +132,7 @@ def serve(*, host: str, port: int, roster_path: Path | None, mode: str, allow_re
     )
     silence_injected_faults()
     config = uvicorn.Config(
-        create_app(roster, engine),
+        SandboxServer(roster, engine),
         log_level="warning",
         access_log=False,
         lifespan="off",
