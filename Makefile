@@ -72,8 +72,8 @@ postgres:
 	  else echo "note: PostgreSQL not installed; the PostgreSQL ledger tests will be skipped"; fi; }
 
 # Initialise git and DVC when needed, then run the whole pipeline against the sandbox, one
-# model sandbox serving every stage (`quanthunt sandbox share`: a stage started alone starts
-# its own, ~5 s a stage, 14 stages). It commits nothing: the last lines say what to commit
+# model sandbox serving every stage, each through a gateway of its own (`quanthunt sandbox
+# share`; a stage started alone starts a sandbox of its own, ~5 s a stage, 14 stages). It commits nothing: the last lines say what to commit
 # to make the run the experiments' baseline.
 run: install
 	@git rev-parse --is-inside-work-tree >/dev/null 2>&1 || git init --quiet
