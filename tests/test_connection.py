@@ -5,7 +5,11 @@ share``)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,6 +153,53 @@ def test_share_runs_the_command_beside_one_model_sandbox_and_stops_it(tmp_path: 
     assert mode == "model"
     assert (tmp_path / "logs" / "sandbox-shared.log").is_file()
     with pytest.raises(httpx.ConnectError):  # stopped once the command ended
+        httpx.get(f"{url}/health", timeout=2)
+
+
+WAITER = """
+import os, signal, sys, time, httpx
+url, out = os.environ["QUANTHUNT_SANDBOX_URL"], sys.argv[1]
+def stop(signum, frame):  # a stage finishing its requests on the sandbox after a stop
+    status = httpx.get(url + "/health", timeout=10).json()["status"]
+    open(out, "a").write(f"{signal.Signals(signum).name} {status}\\n")
+    sys.exit(128 + signum)
+signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
+open(out, "a").write(url + "\\n")
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("sig", "whom", "code"), [(signal.SIGINT, "group", 130), (signal.SIGTERM, "share", 143)])
+def test_a_stop_reaches_the_command_while_the_sandbox_serves_it(
+    tmp_path: Path, sig: signal.Signals, whom: str, code: int
+) -> None:
+    """Ctrl-C at a terminal signals the whole job (``share`` and the command): the command
+    stops while the sandbox, in a session of its own, still serves it; a SIGTERM sent to
+    ``share`` alone (a supervisor's) is passed on. ``share`` exits with the command's code."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["sandbox"]["roster"] = write(tmp_path / "r.yaml", ROSTER).name
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    seen = tmp_path / "seen.txt"
+    share = subprocess.Popen(  # its own process group, as a terminal's job
+        [str(Path(sys.executable).parent / "quanthunt"), "sandbox", "share", "--", sys.executable, "-c", WAITER, str(seen)],
+        cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (seen.exists() and seen.read_text().endswith("\n")):
+        assert share.poll() is None and time.monotonic() < deadline, share.communicate()
+        time.sleep(0.1)
+    if whom == "group":
+        os.killpg(share.pid, sig)
+    else:
+        share.send_signal(sig)
+    _, stderr = share.communicate(timeout=60)
+    url, stopped = seen.read_text().splitlines()
+    assert stopped == f"{sig.name} ok", stderr  # the sandbox answered the stopping command
+    assert share.returncode == code, stderr
+    with pytest.raises(httpx.ConnectError):  # and is stopped after it
         httpx.get(f"{url}/health", timeout=2)
 
 
