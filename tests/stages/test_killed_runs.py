@@ -4,11 +4,13 @@ it KILLED."""
 
 from __future__ import annotations
 
+import contextlib
 import select
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from fixtures.project import BIN, Project
@@ -49,11 +51,32 @@ def status(project: Project, run_id: str) -> str:
     return str(project.mlflow().get_run(run_id).info.status)
 
 
+@contextlib.contextmanager
+def held_mid_run(project: Project, stage: str) -> Iterator[tuple[subprocess.Popen[str], Any]]:
+    """Start ``stage`` and yield it with its RUNNING MLflow run while it waits, mid-run, on a
+    shared sandbox that accepts and never answers (its request for a gateway), so a signal
+    lands mid-run however fast the stage would otherwise be: a survey on the worker's shared
+    sandbox finished before the tests saw it RUNNING, and one that started a sandbox of its
+    own once finished before a SIGTERM landed (both under make test)."""
+    shared = project.env[SHARED_SANDBOX_ENV]
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        project.env[SHARED_SANDBOX_ENV] = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        proc = start(project, stage, "--params", "params.yaml")
+        run = running_run(project, stage, proc)
+        assert select.select([silent], [], [], 60)[0], "the stage never asked the shared sandbox for a gateway"
+        try:
+            yield proc, run
+        finally:
+            project.env[SHARED_SANDBOX_ENV] = shared
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=60)
+
+
 def test_sigkilled_stage_run_ends_killed_at_the_next_start(project: Project) -> None:
-    proc = start(project, "survey", "--params", "params.yaml")
-    killed = running_run(project, "survey", proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
+    with held_mid_run(project, "survey") as (proc, killed):
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
     assert status(project, killed.info.run_id) == "RUNNING"  # nothing can close it on SIGKILL
 
     done = project.run("survey", "--params", "params.yaml")
@@ -67,14 +90,7 @@ def test_sigkilled_stage_run_ends_killed_at_the_next_start(project: Project) -> 
 
 
 def test_sigterm_ends_the_stage_run_killed_at_once(project: Project) -> None:
-    # A shared sandbox that accepts and never answers holds the stage mid-run, in its
-    # request for a gateway, until the signal lands (a stage that started a sandbox of its
-    # own could finish first on a busy machine: seen once under make test).
-    with socket.create_server(("127.0.0.1", 0)) as silent:
-        project.env[SHARED_SANDBOX_ENV] = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        proc = start(project, "survey", "--params", "params.yaml")
-        stopped = running_run(project, "survey", proc)
-        assert select.select([silent], [], [], 60)[0], "the stage never asked the shared sandbox for a gateway"
+    with held_mid_run(project, "survey") as (proc, stopped):
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode != 0, stdout + stderr
