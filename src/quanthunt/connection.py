@@ -6,6 +6,8 @@ else one started for the stage's duration."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -46,6 +48,11 @@ class Targets:
     other providers, while the roster's reference settings are not the gateway's)."""
 
 
+def roster_path(params: Params, root: Path) -> Path | None:
+    """The roster file ``params`` names for the sandbox (None: the one shipped with quanthunt)."""
+    return root / params.sandbox.roster if params.sandbox.roster else None
+
+
 @contextlib.contextmanager
 def open_targets(params: Params, *, root: Path, stage: str, needs_model: bool) -> Iterator[Targets]:
     """Yield the stage's targets, starting (and afterwards stopping) a sandbox on a free
@@ -57,7 +64,7 @@ def open_targets(params: Params, *, root: Path, stage: str, needs_model: bool) -
     if not params.uses_sandbox:
         yield Targets(params.api.base_url, params.reference.base_url, gateway=params.api.base_url)
         return
-    roster = root / params.sandbox.roster if params.sandbox.roster else None
+    roster = roster_path(params, root)
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(shared_gateway(roster, needs_model=needs_model))
         if url is None:
@@ -110,7 +117,7 @@ def run_with_shared_sandbox(params: Params, *, root: Path, command: Sequence[str
     A Ctrl-C at the terminal reaches the command, whose stages stop sending and wait for
     their requests: the sandbox (in a session of its own) serves them until the command
     has ended. A SIGTERM sent to this process is passed on to the command."""
-    roster = root / params.sandbox.roster if params.sandbox.roster else None
+    roster = roster_path(params, root)
     if not params.uses_sandbox:
         return _started(command, dict(os.environ)).wait()
     log = root / params.paths.logs / "sandbox-shared.log"
@@ -137,4 +144,5 @@ def _started(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen[by
 
 def sandbox_gateway(roster: Path | None) -> str:
     """The sandbox gateway's identity: a digest of what its roster has it serve."""
-    return f"{SANDBOX}:{load_roster(roster).digest(exclude=frozenset({'reference_flavour', 'reference_outage'}))}"
+    served = load_roster(roster).model_dump(mode="json", exclude={"reference_flavour", "reference_outage"})
+    return f"{SANDBOX}:{hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()}"

@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from quanthunt.config_files import validated
 from quanthunt.defaults import SANDBOX_GENERATIONS_KEPT
+from quanthunt.errors import ConfigError
 from quanthunt.sandbox import catalogue, thinking
 from quanthunt.sandbox import faults as fault_kinds
 from quanthunt.sandbox.billing import Billing, Refusal, key_digest
@@ -533,8 +534,11 @@ class SandboxApp:
         self.routed = routed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = scope["path"].removeprefix(scope.get("root_path", ""))  # below a gateway's prefix (SandboxServer)
-        if scope["type"] == "http" and scope["method"] == "POST" and route == "/api/v1/chat/completions":
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"].removeprefix(scope.get("root_path", "")) == "/api/v1/chat/completions"  # below a gateway's prefix
+        ):
             try:
                 response = await self.sandbox.chat_completions(Request(scope, receive))
             except Exception as exc:  # a bug must still answer JSON, as the routed app does
@@ -589,8 +593,10 @@ class SandboxServer:
             await self.served(scope, receive, send)
             return
         gateway, _, rest = path[len(GATEWAYS_PATH) :].strip("/").partition("/")
-        if not gateway:
-            response = await self._open(Request(scope, receive)) if scope["method"] == "POST" else _method_not_allowed(path)
+        if not gateway and scope["method"] == "POST":
+            response = await self._open(Request(scope, receive))
+        elif not gateway:
+            response = error_response(405, f"{path}: POST opens a gateway")
         elif gateway not in self.opened:
             response = error_response(404, f"no gateway {gateway} (closed, or opened in another sandbox process)")
         elif not rest and scope["method"] == "DELETE":
@@ -604,20 +610,14 @@ class SandboxServer:
 
     async def _open(self, request: Request) -> Response:
         try:
-            body = orjson.loads(await request.body())
-            roster = Roster.model_validate(body["roster"])
+            roster = validated(Roster, orjson.loads(await request.body())["roster"], source="roster")
         except (orjson.JSONDecodeError, TypeError, KeyError):
             return error_response(400, 'the body must be JSON: {"roster": {...}}')
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            return error_response(400, f"roster: {'.'.join(map(str, first['loc']))}: {first['msg']}")
+        except ConfigError as exc:
+            return error_response(400, str(exc))
         gateway = secrets.token_hex(8)
         self.opened[gateway] = create_app(roster, self.engine)
         return JSONResponse({"id": gateway, "path": f"{GATEWAYS_PATH}/{gateway}", "mode": self.engine.mode}, status_code=201)
-
-
-def _method_not_allowed(path: str) -> Response:
-    return error_response(405, f"{path}: POST opens a gateway")
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

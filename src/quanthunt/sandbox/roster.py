@@ -9,8 +9,6 @@ show them (name, tag, declared quantization, prices, ...); ``precision``, ``mixt
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -440,11 +438,6 @@ class Roster(_Strict):
         name or slug, one for a tag (a bare-slug tag names the provider)."""
         wanted = ref.strip().lower()
         return tuple(p for p in self.providers if wanted in (p.name.lower(), p.slug, p.tag.lower()))
-
-    def digest(self, *, exclude: frozenset[str] = frozenset()) -> str:
-        """sha256 of what the roster has a sandbox serve (its fields but ``exclude``)."""
-        served = self.model_dump(mode="json", exclude=set(exclude))
-        return hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()
 
 
 DEFAULT_ROSTER = "roster.yaml"
