@@ -56,7 +56,9 @@ def test_openai_sdk_gets_paris_greedily_with_logprobs(sdk: OpenAI, contract: Cal
     assert choice.logprobs is not None and choice.logprobs.content is not None
     tokens = choice.logprobs.content
     assert len(tokens) == completion.usage.completion_tokens  # type: ignore[union-attr]
-    assert "".join(t.token for t in tokens) == choice.message.content
+    # the stop token ends the logprobs and the count, not the text (as vLLM 0.32: chat-stop.json)
+    assert tokens[-1].token == "<|im_end|>"
+    assert "".join(t.token for t in tokens[:-1]) == choice.message.content
     for token in tokens:
         assert len(token.top_logprobs) == 5
         assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)  # greedy picks the argmax

@@ -82,10 +82,43 @@ def test_chat_logprobs_have_vllms_shape(model_sandbox: SandboxProcess, name: str
             assert item["top_logprobs"][0]["logprob"] == item["logprob"]
 
 
-def test_teacher_forced_sandbox_scores_of_vllms_own_sample_match_its_logprobs(model_sandbox: SandboxProcess) -> None:
-    """The sandbox's reference scores vLLM's sampled tokens as vLLM itself reported them."""
-    content = VLLM["chat-top5-ids"]["body"]["choices"][0]["logprobs"]["content"]
-    prompt = VLLM["tokenize-root-messages"]["body"]["tokens"]
+@pytest.mark.parametrize("name", ["chat-stop", "chat-stop-ids"])
+def test_a_stopped_reply_ends_with_its_stop_token_as_vllms_does(model_sandbox: SandboxProcess, name: str) -> None:
+    """A reply that stopped: the stop token (``<|im_end|>``, or ``token_id:2``) is the last
+    logprob entry and counts in ``completion_tokens``, and the text leaves it out (the
+    sandbox answers greedily: its seeded draws are not vLLM's, its greedy answer stops)."""
+    request = VLLM[name]["request"]
+    greedy = request["body"] | {"temperature": 0.0}
+    body = httpx.post(model_sandbox.reference_url.removesuffix("/v1") + request["path"], json=greedy, timeout=120).json()
+    for reply in (body, VLLM[name]["body"]):
+        choice = reply["choices"][0]
+        content = choice["logprobs"]["content"]
+        assert choice["finish_reason"] == "stop"
+        assert content[-1]["token"] == ("token_id:2" if name.endswith("ids") else "<|im_end|>")
+        assert bytes(content[-1]["bytes"]) == b"<|im_end|>"
+        assert len(content) == reply["usage"]["completion_tokens"]
+        assert b"".join(bytes(t["bytes"]) for t in content[:-1]).decode() == choice["message"]["content"]
+
+
+@pytest.mark.parametrize("name", ["tokenize-root-messages-open", "tokenize-root-messages-closed"])
+def test_an_assistant_message_renders_open_and_closed_as_vllms_does(model_sandbox: SandboxProcess, name: str) -> None:
+    """``continue_final_message`` leaves the last message open; without it (and with no
+    generation prompt) it is closed by the end-of-turn token: ``Reference.end_of_turn``."""
+    _, body = ask(model_sandbox, name)
+    assert body["tokens"] == VLLM[name]["body"]["tokens"]
+
+
+@pytest.mark.parametrize("chat", ["chat-top5-ids", "chat-stop-ids"])
+def test_teacher_forced_sandbox_scores_of_vllms_own_sample_match_its_logprobs(model_sandbox: SandboxProcess,
+                                                                              chat: str) -> None:  # fmt: skip
+    """The sandbox's reference scores vLLM's sampled tokens as vLLM itself reported them, the
+    stop token that ended a reply included."""
+    content = VLLM[chat]["body"]["choices"][0]["logprobs"]["content"]
+    prompt = (
+        VLLM["tokenize-root-messages"]["body"]["tokens"]
+        if chat == "chat-top5-ids"
+        else VLLM["score-chat-stop-sample"]["request"]["body"]["prompt"][: -len(content)]
+    )
     ids = [int(t["token"].removeprefix("token_id:")) for t in content]
     root = model_sandbox.reference_url
     model = VLLM["models"]["body"]["data"][0]["id"]

@@ -75,7 +75,9 @@ class CompletionEngine(Protocol):
     mode: str
     context_length: int
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]: ...
+    def encode_chat(
+        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> list[int]: ...
 
     def encode_text(self, text: str) -> list[int]: ...
 
@@ -138,6 +140,8 @@ _CANNED_WORDS = (
 _CANNED_TOKENS = tuple(TokenInfo(i, " " + w, (" " + w).encode()) for i, w in enumerate(_CANNED_WORDS))
 _CANNED_IDS = {w: i for i, w in reversed(list(enumerate(_CANNED_WORDS)))}
 """Canned word → its first id (some words repeat in the list)."""
+_END_OF_TURN = TokenInfo(len(_CANNED_TOKENS) + 0x10000, "<|im_end|>", b"<|im_end|>")
+"""What ends a closed assistant message (above every hashed word's id); replies leave it out."""
 _CANNED_STREAM = [OutToken(info, 0.0) for info in random.Random(0).choices(_CANNED_TOKENS, k=4096)]
 """"Generated" text: windows into one fixed pseudo-random stream of canned words."""
 
@@ -161,8 +165,17 @@ class LatencyEngine:
             raise SandboxError(f"reply_tokens must be between 1 and {len(_CANNED_STREAM) // 2 - 1}")
         self.reply_tokens = reply_tokens
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode_text(" ".join(m.get("content", "") for m in messages)) or [0]
+    def encode_chat(
+        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> list[int]:
+        """The words of every message, an assistant's closed by the end-of-turn token (the
+        last one left open under ``continue_final_message``)."""
+        ids: list[int] = []
+        for i, message in enumerate(messages):
+            ids += self.encode_text(message.get("content", ""))
+            if message.get("role") == "assistant" and not (continue_final_message and i == len(messages) - 1):
+                ids.append(_END_OF_TURN.id)
+        return ids or [0]
 
     def encode_text(self, text: str) -> list[int]:
         return [_CANNED_IDS.get(w, len(_CANNED_TOKENS) + (zlib.crc32(w.encode()) & 0xFFFF)) for w in text.split()]
@@ -173,6 +186,8 @@ class LatencyEngine:
     def token_info(self, token_id: int) -> TokenInfo:
         if 0 <= token_id < len(_CANNED_TOKENS):
             return _CANNED_TOKENS[token_id]
+        if token_id == _END_OF_TURN.id:
+            return _END_OF_TURN
         text = f" w{token_id}"
         return TokenInfo(token_id, text, text.encode())
 

@@ -332,9 +332,14 @@ class ModelEngine:
         memo: dict[str, dict[str, float]] = {"memo": {"hits": self.memo.hits}} if self.memo else {}
         return {**self._scheduler.stats.as_dict(), "threads": {"current": tuner.current, "switches": tuner.switches}, **memo}
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> list[int]:
         encoded = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, return_dict=True
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            return_dict=True,
         )
         return [int(i) for i in encoded["input_ids"]]
 

@@ -66,6 +66,14 @@ _TRUE = {"1", "on", "t", "true", "y", "yes"}
 _FALSE = {"0", "off", "f", "false", "n", "no"}
 
 
+CONTINUE_WITH_GENERATION_PROMPT = (
+    "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message when you want "
+    "the model to continue the final message, and add_generation_prompt when you want to add a header that will "
+    "prompt it to start a new assistant message instead."
+)
+"""vLLM 0.32's 400 for both (tests/contracts/replies/vllm/tokenize-root-messages-open-and-generation-prompt.json)."""
+
+
 def _lax_bool(value: Any, name: str) -> bool:
     """A boolean as vLLM's pydantic models read one: also 0/1 and "yes", "off", ..."""
     if isinstance(value, bool):
@@ -115,9 +123,12 @@ def reference_routes(
         ``add_generation_prompt: false``, the conversation alone."""
         messages = parse_messages(data.get("messages"))
         enabled = thinking_enabled(data)
+        continued = _lax_bool(data.get("continue_final_message", False), "continue_final_message")
+        if continued and add_generation_prompt(data):
+            raise BadRequest(CONTINUE_WITH_GENERATION_PROMPT)
         if add_generation_prompt(data):
             return thinking.prompt_ids(engine, messages, roster.model.reasoning, enabled=enabled)
-        return engine.encode_chat(messages, add_generation_prompt=False)
+        return engine.encode_chat(messages, add_generation_prompt=False, continue_final_message=continued)
 
     def seed_of(data: dict[str, Any]) -> int:
         seed = data.get("seed")

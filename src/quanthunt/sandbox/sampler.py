@@ -36,7 +36,8 @@ class TokenLogprob:
 
 @dataclass
 class Sample:
-    """What one request produced. ``text`` is cut before a matched stop string."""
+    """What one request produced. ``text`` is cut before a matched stop string; a stop token
+    ends ``token_ids`` and ``logprobs`` but not the text (as vLLM answers)."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprob]
@@ -177,10 +178,12 @@ class Lane:
     def _accept(self, row: _Row, token: int, logprob: float, top: list[tuple[int, float]]) -> Sample | None:
         """Add a drawn token to its row; the finished sample when the row stops."""
         request = row.request
-        if token in self._stop_ids and not request.ignore_eos:
-            return Sample(row.tokens, row.logprobs, self._decode_text(row.tokens), "stop")
         row.tokens.append(token)
         row.logprobs.append(TokenLogprob(token, logprob, top))
+        if token in self._stop_ids and not request.ignore_eos:
+            # kept with its logprob, counted, left out of the text: as vLLM 0.32 answers
+            # (tests/contracts/replies/vllm/chat-stop.json)
+            return Sample(row.tokens, row.logprobs, self._decode_text(row.tokens), "stop")
         if request.stop:
             text = self._decode_text(row.tokens)
             at = min((text.find(s) for s in request.stop if s in text), default=-1)
