@@ -100,7 +100,7 @@ def observation(item: Item, tokens: int) -> Observation:
     """A reply's observation as the monitor's logprob-mode scoring makes it."""
     deltas = item.deltas[:tokens]
     seed = f"{item.probe}:{item.token_ids[:tokens]}"
-    z = rank_z(item.positions(LOGPROB_TOP)[:tokens], listed=LOGPROB_TOP, seed=seed)
+    z = rank_z(item.positions(LOGPROB_TOP)[:tokens], listed=LOGPROB_TOP, seed=seed, horizon=tokens)
     return Observation(statistics.fmean(abs(d) for d in deltas), z)
 
 

@@ -2,7 +2,8 @@
 
 Each pool holds ``per_prompt`` completions for each of ``prompts`` probe prompts (drawn
 from the shipped datasets with the verify stage's own ``select_probes``), sampled by the
-sandbox's real precisions at T = 1 (or with a misconfigured sampler), with:
+sandbox's real precisions at T = 1 (or with a misconfigured sampler), ending where they
+sample the stop token (kept as their last token, as vLLM keeps it) or at ``tokens``, with:
 
 - the provider's reported logprob of every sampled token (the raw distribution, as vLLM
   reports it), and
@@ -31,7 +32,7 @@ from quanthunt.sandbox.model import PrecisionStore, cache_root, kv_format, load_
 from quanthunt.sandbox.sampler import Sampler
 
 ROOT = Path(__file__).resolve().parents[1]
-VERSION = 4
+VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def load_pools(
                 built = {
                     "store": PrecisionStore(model),
                     "tokenizer": tokenizer,
-                    "reference": Sampler(model, tokenizer, stop_token_ids=[]),
+                    "reference": Sampler(model, tokenizer, stop_token_ids=[]),  # scores only
                     "prompts": [
                         (p.id, list(template(p.as_messages(), add_generation_prompt=True, return_dict=True)["input_ids"]))
                         for p in probes
@@ -142,7 +143,8 @@ def load_pools(
                 }
             started = time.perf_counter()
             model = built["store"].get(serves.precision)
-            sampler = Sampler(model, built["tokenizer"], stop_token_ids=[], kv_format=kv_format(serves.precision))
+            stops = [int(built["tokenizer"].eos_token_id)]  # as the sandbox serves: a reply ends at <|im_end|>
+            sampler = Sampler(model, built["tokenizer"], stop_token_ids=stops, kv_format=kv_format(serves.precision))
             items = _build(sampler, built["reference"], built["prompts"], serves, per_prompt, tokens)
             cached.write_bytes(pickle.dumps([(i.probe, i.token_ids, i.provider_logprobs, i.reference) for i in items]))
             print(f"pool {name}: {len(items)} completions in {time.perf_counter() - started:.0f} s", flush=True)

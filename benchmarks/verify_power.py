@@ -65,8 +65,10 @@ class Scores:
     """Each pooled completion's observations, computed once: mean |Δ| and rank z as the
     logprob-mode audit sees them (top 5), and rank z as sample mode sees it (top 20)."""
 
-    def __init__(self) -> None:
+    def __init__(self, horizon: int = 64) -> None:
         self._cache: dict[int, tuple[float, float, float]] = {}
+        self.horizon = horizon
+        """The rank statistic's tokens (``decision.mixture_detection_tokens``)."""
 
     def __call__(self, item: Item) -> tuple[float, float, float]:
         key = id(item)
@@ -75,8 +77,8 @@ class Scores:
             shift = statistics.fmean(abs(d) for d in item.deltas) if item.deltas else 0.0
             self._cache[key] = (
                 shift,
-                rank_z(item.positions(TOP_LOGPROBS), listed=TOP_LOGPROBS, seed=seed),
-                rank_z(item.positions(RANK_TOP_K), listed=RANK_TOP_K, seed=seed),
+                rank_z(item.positions(TOP_LOGPROBS), listed=TOP_LOGPROBS, seed=seed, horizon=self.horizon),
+                rank_z(item.positions(RANK_TOP_K), listed=RANK_TOP_K, seed=seed, horizon=self.horizon),
             )
         return self._cache[key]
 

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from quanthunt.measurements import compare_logprobs, pit_normal_score
+from quanthunt.measurements import compare_logprobs, pit_normal_score, rank_z
 from quanthunt.reference import Position, Scored
 from quanthunt.replies import TokenLogprob
 
@@ -46,10 +46,12 @@ def test_pairing_stops_at_the_first_tokenization_mismatch() -> None:
         ],
     )
     provider = [token(" there", -0.4, {" there": -0.4, " you": -1.3}), token(" fri", -0.3), token("end", -0.1)]
-    paired = compare_logprobs("p", 0, provider, scored, prompt_len=2, listed=2)
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=2, listed=2, horizon=64)
     assert paired.aligned == 1 and paired.tokens == 3
     assert paired.deltas == pytest.approx([0.1])
-    identical = compare_logprobs("p", 0, [token(" there", -0.5, {" there": -0.5, " you": -1.2})], scored, prompt_len=2, listed=2)
+    identical = compare_logprobs(
+        "p", 0, [token(" there", -0.5, {" there": -0.5, " you": -1.2})], scored, prompt_len=2, listed=2, horizon=64
+    )
     assert identical.deltas == [0.0] and identical.kls == [0.0] and identical.top1_agree == [True]
 
 
@@ -65,7 +67,7 @@ def test_partial_utf8_pieces_pair_and_an_identical_provider_has_zero_kl() -> Non
             {"token": "", "logprob": -0.7}, {"token": " ê", "logprob": -1.0}, {"token": "", "logprob": -1.9}]}),
         token(" ê", -0.1, {" ê": -0.1, "": -2.5}),
     ]  # fmt: skip
-    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=2)
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=2, horizon=64)
     assert paired.aligned == 2
     assert paired.deltas == [0.0, 0.0]
     assert paired.kls == pytest.approx([0.0, 0.0], abs=1e-12)
@@ -87,7 +89,7 @@ def test_a_character_sampled_byte_by_byte_ends_the_pairing() -> None:
     )
     provider = [token(" there", -0.5), token("\ufffd", -4.0, {"\ufffd": -4.0}), token("\ufffd", -0.01, {"\ufffd": -0.01}),
                 token("!", -0.3)]  # fmt: skip
-    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=1)
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=1, horizon=64)
     assert paired.aligned == 1 and paired.deltas == [0.0]
 
 
@@ -103,7 +105,7 @@ def test_a_whole_token_against_a_reference_piece_is_paired_only_if_the_text_come
                    position(3, -11.0, {" ¾": -11.0}, names), position(4, -7.3, {"-": -7.3}, names)],
     )  # fmt: skip
     provider = [token(" a", -1.0), token(" ", -2.3), token("¾", -4.8), token("-", -0.7)]
-    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=1)
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=1, horizon=64)
     assert paired.aligned == 1 and paired.deltas == [0.0]
 
 
@@ -117,7 +119,7 @@ def test_a_chat_list_of_k_minus_one_is_compared_at_the_same_depth() -> None:
         TokenLogprob.model_validate({"token": "z", "logprob": -4.0, "top_logprobs": [
             {"token": "z", "logprob": -4.0}, {"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1.5}]})
     ]  # fmt: skip
-    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=2)
+    paired = compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=2, horizon=64)
     assert paired.kls == [0.0]
     assert paired.top1_agree == [True]
 
@@ -131,7 +133,7 @@ def test_the_sampler_check_scores_the_provider_tokens_rank_under_the_reference()
         top = {"a": math.log(0.5), "b": -2.0, "c": -3.0} | {names[sampled]: logprob}
         scored = Scored([0] + [sampled] * 64, [None] + [position(sampled, logprob, top, names)] * 64)
         provider = [token(names[sampled], logprob, {names[sampled]: logprob})] * 64
-        return compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=3).rank_z
+        return compare_logprobs("p", 0, provider, scored, prompt_len=1, listed=3, horizon=64).rank_z
 
     assert run(1, math.log(0.5)) < -3.0  # always the favourite (mass 0.5): every PIT below ½
     assert run(4, -6.0) > 3.0  # always outside the top 3 (mass 0.69): every PIT above 0.69
@@ -159,3 +161,61 @@ def test_pit_normal_scores_are_standard_normal_for_the_references_own_samples(la
         scores.append(pit_normal_score(Position(ids[token], logprob, top, key), listed=3, u=rng.random()))
     assert abs(statistics.fmean(scores)) < 0.05 and abs(statistics.stdev(scores) - 1) < 0.05
     assert abs(sum(1 for z in scores if z > 1.96) / len(scores) - 0.025) < 0.008
+
+
+def exact_samples(count: int, *, min_tokens: int, max_tokens: int, seed: int) -> list[list[Position]]:
+    """Completions the reference's own sampler draws from a small model whose stop token
+    (id 0) is likeliest right after a full stop and never before ``min_tokens``: what each
+    sampled token's position looks like to the scorer (the top 3, plus the token)."""
+    rng = random.Random(seed)
+    completions = []
+    for _ in range(count):
+        positions: list[Position] = []
+        last = 1
+        while len(positions) < max_tokens:
+            stop = 0.0 if len(positions) < min_tokens else (0.6 if last == 5 else 0.05)
+            rest = [0.4, 0.25, 0.15, 0.1, 0.1]  # tokens 1..5; 5 is the full stop
+            probs = [stop] + [(1 - stop) * p for p in rest]
+            drawn = rng.choices(range(6), weights=probs)[0]
+            logs = {i: math.log(p) for i, p in enumerate(probs) if p > 0}
+            top3: dict[int | str, float] = dict(sorted(logs.items(), key=lambda kv: -kv[1])[:3])
+            positions.append(Position(drawn, logs[drawn], {drawn: logs[drawn]} | top3, drawn))
+            if drawn == 0:
+                break
+            last = drawn
+        completions.append(positions)
+    return completions
+
+
+def test_rank_z_is_standard_normal_for_exact_samples_of_any_length() -> None:
+    """Exact samples of 5 to 64 tokens whose length the text decides (a stop after a full
+    stop): with the stop token scored and the rest padded to the horizon, Φ(z) has mean ½ and
+    P(z > 2) is 1 − Φ(2) = 0.0228, at every length. Leaving the stop token out and dividing by
+    √tokens (the statistic before) is biased upwards, most for the shortest texts."""
+    samples = exact_samples(6000, min_tokens=4, max_tokens=64, seed=1)
+    lengths = [len(s) for s in samples]
+    assert min(lengths) == 5 and max(lengths) == 64 and statistics.median(lengths) == 11
+    z = [rank_z(s, listed=3, seed=f"s{i}", horizon=64) for i, s in enumerate(samples)]
+    normal = statistics.NormalDist()
+    pit = [normal.cdf(v) for v in z]
+    assert abs(statistics.fmean(pit) - 0.5) < 0.012  # 3.2 standard errors of 6,000 uniforms
+    assert abs(sum(v > 2 for v in z) / len(z) - 0.0228) < 0.0062  # 3.2 standard errors
+    short = [p for p, n in zip(pit, lengths, strict=True) if n <= 8]
+    assert len(short) > 1000 and abs(statistics.fmean(short) - 0.5) < 0.03
+    rng = random.Random(2)
+    before = [
+        math.fsum(pit_normal_score(p, listed=3, u=rng.random()) for p in s if p.token_id != 0)
+        / math.sqrt(sum(p.token_id != 0 for p in s))
+        for s in samples
+    ]
+    short_before = [normal.cdf(v) for v, n in zip(before, lengths, strict=True) if n <= 8]
+    assert statistics.fmean(short_before) > 0.55  # measured 0.573
+
+
+def test_rank_z_reads_only_its_horizon_and_pads_the_rest_reproducibly() -> None:
+    [sample] = exact_samples(1, min_tokens=40, max_tokens=40, seed=3)
+    assert rank_z(sample, listed=3, seed="a", horizon=16) == rank_z(sample[:16], listed=3, seed="a", horizon=16)
+    assert rank_z(sample[:5], listed=3, seed="a", horizon=16) == rank_z(sample[:5], listed=3, seed="a", horizon=16)
+    assert rank_z(sample[:5], listed=3, seed="a", horizon=16) != rank_z(sample[:5], listed=3, seed="b", horizon=16)
+    with pytest.raises(ValueError, match="horizon"):
+        rank_z(sample, listed=3, seed="a", horizon=0)

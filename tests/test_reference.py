@@ -198,3 +198,31 @@ def test_the_servers_version_and_a_controls_chat_reply_are_read_as_vllm_answers_
     recorded_content = VLLM["chat-top5"]["body"]["choices"][0]["logprobs"]["content"]
     assert reply.logprobs is not None and len(reply.logprobs) == len(recorded_content)
     assert reply.content == VLLM["chat-top5"]["body"]["choices"][0]["message"]["content"]
+
+
+def test_the_token_that_ends_a_turn_is_read_from_the_chat_template(inprocess: Callable[..., TestClient]) -> None:
+    """vLLM renders an assistant message open (``continue_final_message``) and closed: the
+    token after the open one is ``<|im_end|>`` (id 2, recorded). SGLang renders only
+    generation prompts: the same message followed by another turn gives the same token. A
+    template whose two renders part earlier is refused, naming the server."""
+
+    async def found(transport: httpx.AsyncBaseTransport, url: str = "http://127.0.0.1:8011/v1") -> int:
+        async with Reference(url, transport=transport) as ref:
+            return await ref.end_of_turn()
+
+    assert asyncio.run(found(replay("vllm"))) == 2
+    ends = {}
+    for flavour in ("vllm", "sglang"):
+        app = inprocess(roster_dict(provider("alpha"), reference_flavour=flavour)).app
+        ends[flavour] = asyncio.run(found(httpx.ASGITransport(app=app), "http://127.0.0.1:9/reference/v1"))
+    assert ends["vllm"] == ends["sglang"] != 2
+
+    recorded_reply = replay("vllm")
+
+    def parted(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/tokenize" and b'"continue_final_message"' in request.content:
+            return httpx.Response(200, json={"count": 3, "max_model_len": 2048, "tokens": [1, 7, 9]})
+        return recorded_reply.handle_request(request)
+
+    with pytest.raises(ReferenceUnusable, match=r"127\.0\.0\.1:8011.*ends the assistant's turn"):
+        asyncio.run(found(httpx.MockTransport(parted)))

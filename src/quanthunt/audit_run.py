@@ -99,6 +99,7 @@ async def audit_all(
             )
 
         auditor = Auditor(gateway, reference, design, concurrency=v.concurrency, siblings=siblings, paid=paid, on_cut=on_cut)
+        await auditor.scorer.check()
         audits = [Audit(r.subject.provider, r.subject.tag, "logprob" if r.logprobs else "sample") for r in rows]
         subjects = [r.subject for r in rows]
 

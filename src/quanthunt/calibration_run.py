@@ -396,7 +396,9 @@ async def measure_all(
                          retry_for_s=params.verify.reference_retry_for_s) as reference:  # fmt: skip
         model = (await reference.check()).model
         server = await reference.server_version()
-        scorer = Scorer(reference, params.reasoning, top_logprobs=design.top_logprobs, attempts=design.max_attempts)
+        scorer = Scorer(reference, params.reasoning, top_logprobs=design.top_logprobs, attempts=design.max_attempts,
+                        horizon=design.rank_tokens)  # fmt: skip
+        await scorer.check()
 
         async def at(field: str, name: str, url: str) -> Completions:
             started = time.monotonic()

@@ -207,7 +207,10 @@ async def run(
             monitoring = None
             if g.monitor.share > 0 and any(m.monitored for m in monitors.values()):
                 await check_reference(reference, verdicts, targets.reference_url)
-                scorer = Scorer(reference, params.reasoning, top_logprobs=LOGPROB_TOP, attempts=params.verify.max_attempts)
+                horizon = verdicts.decision_or(params.verify.decision).mixture_detection_tokens
+                scorer = Scorer(reference, params.reasoning, top_logprobs=LOGPROB_TOP, attempts=params.verify.max_attempts,
+                                horizon=horizon)  # fmt: skip
+                await scorer.check()
                 monitoring = Monitoring(
                     monitors, scorer, writer, verification_run_id=verdicts.verification_run_id or UNLOGGED,
                     dataset=dataset, settings=g.monitor, say=lambda line: console.print(f"[red]{line}[/]"),

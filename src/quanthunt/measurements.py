@@ -9,8 +9,9 @@
   same prompts; the reference scores every completion (``SampledText``).
 
 Every measured completion also gets its rank z (``rank_z``): the reference's randomised
-PIT of each sampled token, as a normal score, summed and divided by √tokens (exactly
-N(0, 1) for text the reference's own sampler produced). In sample mode it is the
+PIT of each sampled token, its stop token included, as a normal score, summed over a fixed
+horizon (a shorter text padded with independent draws) and divided by √horizon: exactly
+N(0, 1) for text the reference's own sampler produced, at any length. In sample mode it is the
 measurement; in logprob mode it checks the provider's sampler, which the logprobs it
 reports say nothing about. ``Audit`` holds one provider's measurements and accounts for
 every completion asked for; ``quanthunt.decision`` turns audits into verdicts.
@@ -69,14 +70,14 @@ class SampledText:
     token_ids: list[int]
     mean_loglik: float
     rank_z: float = 0.0
-    """Sum over tokens of the normal score ``Φ⁻¹(u_t)`` of the token's randomised
-    probability-integral transform under the reference, divided by √tokens (``u_t`` = the
-    reference's mass on tokens it ranks above the sampled one, plus a uniform share of the
-    token's own mass; uniform over the tail beyond the top-k). For text the reference
-    samples itself every ``u_t`` is exactly uniform and independent of the past, so z is
-    N(0, 1) with no calibration run; text from a coarser model or a hotter sampler picks
-    tokens the reference ranks lower (z > 0), a colder or truncating sampler its favourites
-    (z < 0)."""
+    """Sum over tokens (the stop token included, padded to a fixed horizon: ``rank_z``) of
+    the normal score ``Φ⁻¹(u_t)`` of the token's randomised probability-integral transform
+    under the reference, divided by √horizon (``u_t`` = the reference's mass on tokens it
+    ranks above the sampled one, plus a uniform share of the token's own mass; uniform over
+    the tail beyond the top-k). For text the reference samples itself every ``u_t`` is
+    exactly uniform and independent of the past, so z is N(0, 1) with no calibration run;
+    text from a coarser model or a hotter sampler picks tokens the reference ranks lower
+    (z > 0), a colder or truncating sampler its favourites (z < 0)."""
     tokens: int = 0
     seq: int = 0
     """Position in the audit plan (see ``LogprobCompletion.seq``)."""
@@ -147,12 +148,25 @@ def pit_normal_score(position: Position, *, listed: int, u: float) -> float:
     return _STANDARD_NORMAL.inv_cdf(min(max(value, 1e-12), 1 - 1e-12))
 
 
-def rank_z(positions: Sequence[Position], *, listed: int, seed: str) -> float:
-    """A completion's rank z: its tokens' normal scores summed, over √tokens (seeded
-    jitter: the same text gives the same z)."""
+def rank_z(positions: Sequence[Position], *, listed: int, seed: str, horizon: int) -> float:
+    """A completion's rank z: the normal scores of its first ``horizon`` tokens (the stop
+    token among them when it stopped), plus as many independent N(0, 1) draws as it fell
+    short of ``horizon``, summed and divided by √horizon (seeded: the same text gives the
+    same z).
+
+    Exactly N(0, 1) for the reference's own sampler, whatever the length: each token's score
+    is N(0, 1) given everything before it, and when the text ends, by its stop token or at
+    ``horizon``, the rest are drawn independent of it, so there are always ``horizon``
+    i.i.d. N(0, 1) terms. Dividing by √tokens instead lets the length the text chose weigh
+    its own tokens, and leaving the stop token out scores only the tokens that were not the
+    stop (simulated exact sampler: mean Φ(z) 0.546 at 13 tokens, P(z > 2) 0.034 for 0.023)."""
+    if horizon < 1:
+        raise ValueError(f"horizon must be at least 1, got {horizon}")
     rng = np.random.default_rng(int(hashlib.sha256(seed.encode()).hexdigest()[:16], 16))
-    scores = [pit_normal_score(position, listed=listed, u=float(rng.random())) for position in positions]
-    return math.fsum(scores) / math.sqrt(len(scores)) if scores else 0.0
+    kept = positions[:horizon]
+    scores = [pit_normal_score(position, listed=listed, u=float(rng.random())) for position in kept]
+    padding = math.sqrt(horizon - len(kept)) * float(rng.standard_normal())
+    return (math.fsum(scores) + padding) / math.sqrt(horizon)
 
 
 def names_pair(provider: str, reference: str) -> bool:
@@ -164,7 +178,16 @@ def names_pair(provider: str, reference: str) -> bool:
 
 
 def compare_logprobs(
-    probe_id: str, index: int, provider: Sequence[TokenLogprob], scored: Scored, prompt_len: int, *, listed: int, seq: int = 0
+    probe_id: str,
+    index: int,
+    provider: Sequence[TokenLogprob],
+    scored: Scored,
+    prompt_len: int,
+    *,
+    listed: int,
+    horizon: int,
+    stopped: bool = False,
+    seq: int = 0,
 ) -> LogprobCompletion:
     """Pair the provider's tokens with the reference's teacher-forced scores, position by
     position, up to the first position where the two tokenizations disagree. A partial
@@ -176,7 +199,11 @@ def compare_logprobs(
     Per position both sides list the sampled token and the same number of alternatives
     besides it (vLLM's chat lists only the top k−1 when the sampled token is outside the
     top k; its echo lists k), compared by decoded name in context and merged alike
-    (``merge_by_name``), so a provider identical to the reference has KL exactly 0."""
+    (``merge_by_name``), so a provider identical to the reference has KL exactly 0.
+
+    ``scored`` ends with the stop token where the reply ``stopped``; vLLM lists it last among
+    the provider's tokens and it pairs like any other. A provider that leaves it out still
+    sampled it: its rank z scores it after a pairing that reached the end."""
     deltas: list[float] = []
     kls: list[float] = []
     agree: list[bool] = []
@@ -207,7 +234,11 @@ def compare_logprobs(
         agree.append(max(provider_top, key=provider_top.__getitem__) == max(reference_top, key=reference_top.__getitem__))
     if said != heard or len(deltas) > synced:  # pieces at the end that never came back in step
         del deltas[synced:], kls[synced:], agree[synced:], paired[synced:]
-    z = rank_z(paired, listed=listed, seed=f"{probe_id}:{index}:provider:{[p.token_id for p in paired]}")
+    ranked = paired
+    rest = scored.positions[prompt_len + len(paired) :]
+    if stopped and len(paired) == len(provider) and len(rest) == 1 and rest[0] is not None:
+        ranked = [*paired, rest[0]]
+    z = rank_z(ranked, listed=listed, seed=f"{probe_id}:{index}:provider:{[p.token_id for p in ranked]}", horizon=horizon)
     return LogprobCompletion(probe_id, index, len(provider), len(deltas), deltas, kls, agree, z, seq)
 
 

@@ -377,7 +377,9 @@ class Decision(_Section):
     mixture_detection_tokens: int = Field(ge=1)
     """The probe length (``probes.max_tokens``) both rates were measured at: shorter probes
     flag fewer coarse completions, so the stage refuses them until the rates are measured
-    again (``benchmarks/verify_power.py --tokens``)."""
+    again (``benchmarks/verify_power.py --tokens``). Also the rank statistic's horizon: the
+    first this many tokens of every completion, the stop token among them, a shorter one
+    padded to it (``measurements.rank_z``), in verify, calibrate and generate's monitor."""
     max_failed_share: float = Field(ge=0, le=1)
     """More failed probe requests than this makes a provider inconclusive."""
 

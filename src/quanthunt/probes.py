@@ -67,6 +67,9 @@ class Design:
     top_logprobs: int
     max_attempts: int
     reasoning: Reasoning
+    rank_tokens: int
+    """The rank statistic's horizon (``measurements.rank_z``): the tokens the mixture
+    detection rates were measured at, ``decision.mixture_detection_tokens``."""
 
     @classmethod
     def of(cls, params: Params) -> Design:
@@ -82,4 +85,5 @@ class Design:
             top_logprobs=p.top_logprobs,
             max_attempts=v.max_attempts,
             reasoning=params.reasoning,
+            rank_tokens=v.decision.mixture_detection_tokens,
         )

@@ -56,6 +56,8 @@ TOKEN_ID_PREFIX = "token_id:"  # noqa: S105 - a token name, not a secret
 """How vLLM names a token under ``return_tokens_as_token_ids``."""
 CHECK_MESSAGES = ({"role": "user", "content": "Say hello."},)
 """The chat ``Reference.check`` sends to every route."""
+END_OF_TURN_PROBE = "Hello."
+"""The assistant message ``Reference.end_of_turn`` renders open and closed."""
 NAME_MATCH_TOLERANCE = 1e-3
 """Two replies' logprobs of one token agree to this (vLLM batches requests, so the two
 replies of ``score(..., names=True)`` may differ in the last bits)."""
@@ -173,6 +175,8 @@ class Reference:
             headers["Authorization"] = f"Bearer {ApiKey(key).reveal()}"
         self._client = httpx.AsyncClient(headers=headers, transport=self.transport, timeout=self.timeout, limits=GATEWAY_LIMITS)
         self._capabilities: Capabilities | None = None
+        self._end_of_turn: int | None = None
+        self._finding_end_of_turn = asyncio.Lock()
 
     async def __aenter__(self) -> Reference:
         return self
@@ -329,18 +333,54 @@ class Reference:
         ``template_kwargs`` reach the chat template (e.g. ``{"thinking": False}``)."""
         return await self._tokenize_chat(await self.check(), messages, template_kwargs, add_generation_prompt)
 
+    async def end_of_turn(self, *, template_kwargs: Mapping[str, Any] | None = None) -> int:
+        """The token that ends the assistant's turn (SmolLM2's and Kimi's ``<|im_end|>``):
+        what a reply that finished with ``stop`` sampled last, and what the rank statistic
+        scores there. Read from the chat template: the first token after an assistant
+        message rendered open (vLLM's ``continue_final_message``) in the same conversation
+        rendered closed; where the server renders only generation prompts (SGLang), after
+        the same message in a conversation that goes on. Raises ``ReferenceUnusable`` where
+        the two renders do not agree up to it."""
+        async with self._finding_end_of_turn:
+            if self._end_of_turn is None:
+                self._end_of_turn = await self._find_end_of_turn(template_kwargs)
+        return self._end_of_turn
+
+    async def _find_end_of_turn(self, template_kwargs: Mapping[str, Any] | None) -> int:
+        caps = await self.check()
+        said = [*CHECK_MESSAGES, {"role": "assistant", "content": END_OF_TURN_PROBE}]
+        if caps.chat_ids_from_tokenize:
+            opened = await self._tokenize_chat(caps, said, template_kwargs, add_generation_prompt=False,
+                                               continue_final_message=True)  # fmt: skip
+            closed = await self._tokenize_chat(caps, said, template_kwargs, add_generation_prompt=False)
+        else:
+            opened = await self._tokenize_chat(caps, CHECK_MESSAGES, template_kwargs)
+            opened += await self.tokenize_text(END_OF_TURN_PROBE)
+            closed = await self._tokenize_chat(caps, [*said, *CHECK_MESSAGES], template_kwargs)
+        if len(closed) <= len(opened) or closed[: len(opened)] != opened:
+            raise ReferenceUnusable(
+                f"reference {self.base_url}: cannot find the token that ends the assistant's turn (an assistant "
+                f"message rendered closed does not start with it rendered open: {opened[-4:]} vs "
+                f"{closed[len(opened) - 4 : len(opened) + 1]}); the rank statistic scores it where a reply stopped"
+            )
+        return closed[len(opened)]
+
     async def _tokenize_chat(
         self,
         caps: Capabilities,
         messages: Sequence[Mapping[str, str]],
         template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         body: dict[str, Any] = {"model": caps.model, "messages": [dict(m) for m in messages]}
         if template_kwargs:
             body["chat_template_kwargs"] = dict(template_kwargs)
         if caps.chat_ids_from_tokenize:
-            data = await self._post(caps.tokenize_url, body | {"add_generation_prompt": add_generation_prompt})
+            body["add_generation_prompt"] = add_generation_prompt
+            if continue_final_message:
+                body["continue_final_message"] = True
+            data = await self._post(caps.tokenize_url, body)
             return [int(t) for t in data["tokens"]]
         if not add_generation_prompt:
             raise ReferenceUnusable(f"reference {self.base_url} cannot render a chat without the generation prompt")

@@ -88,11 +88,19 @@ class Scorer:
     """Scores completions at the reference, teacher-forced: the verify stage's probes and
     the generate stage's monitored replies alike."""
 
-    def __init__(self, reference: Reference, reasoning: Reasoning, *, top_logprobs: int, attempts: int) -> None:
+    def __init__(self, reference: Reference, reasoning: Reasoning, *, top_logprobs: int, attempts: int,
+                 horizon: int) -> None:  # fmt: skip
         self.reference = reference
         self.reasoning = reasoning
         self.top_logprobs = top_logprobs
         self.attempts = attempts
+        self.horizon = horizon
+        """The rank statistic's tokens (``measurements.rank_z``): ``decision.mixture_detection_tokens``."""
+
+    async def check(self) -> None:
+        """Find the token that ends a turn (``Reference.end_of_turn``) before anything is
+        bought: a reference whose template hides it stops the stage with ``ReferenceUnusable``."""
+        await self.reference.end_of_turn(template_kwargs=self.reasoning.reference_kwargs())
 
     async def prompt_ids(self, messages: Sequence[Mapping[str, str]], errors: Counter[str]) -> list[int]:
         kwargs = self.reasoning.reference_kwargs()
@@ -105,7 +113,9 @@ class Scorer:
     ) -> list[int]:
         """The reference's tokens of what the model generated after the prompt: the answer,
         or with ``reasoning.mode: on`` the reasoning, the end of the thinking block and the
-        answer (the block's end only if the budget left room for an answer)."""
+        answer (the block's end only if the budget left room for an answer); then the token
+        that ends the turn where the reply stopped (``finish_reason: stop``; the probes and
+        generate send no stop strings), which the model sampled as it sampled the rest."""
 
         async def tokens(piece: str) -> list[int]:
             return (
@@ -115,10 +125,15 @@ class Scorer:
             )
 
         if self.reasoning.mode != "on" or reasoning is None:
-            return await tokens(text)
-        ids = await tokens(reasoning)
-        if text or finish_reason != "length":
-            ids += await tokens(self.reasoning.end_marker) + await tokens(text)
+            ids = await tokens(text)
+        else:
+            ids = await tokens(reasoning)
+            if text or finish_reason != "length":
+                ids += await tokens(self.reasoning.end_marker) + await tokens(text)
+        if finish_reason == "stop":
+            kwargs = self.reasoning.reference_kwargs()
+            ids.append(await with_retries(lambda: self.reference.end_of_turn(template_kwargs=kwargs),
+                                          attempts=self.attempts, errors=errors))  # fmt: skip
         return ids
 
     async def logprobs(self, prompt: list[int], reply: ChatReply, errors: Counter[str], *, probe_id: str, index: int,
@@ -133,7 +148,8 @@ class Scorer:
             attempts=self.attempts,
             errors=errors,
         )
-        return compare_logprobs(probe_id, index, reply.logprobs, scored, len(prompt), listed=self.top_logprobs, seq=seq)
+        return compare_logprobs(probe_id, index, reply.logprobs, scored, len(prompt), listed=self.top_logprobs, seq=seq,
+                                horizon=self.horizon, stopped=reply.finish_reason == "stop")  # fmt: skip
 
     async def text(self, prompt: list[int], ids: list[int], errors: Counter[str], *, probe_id: str, index: int,
                    source: str, seq: int) -> SampledText:  # fmt: skip
@@ -145,7 +161,7 @@ class Scorer:
         )
         positions = [p for p in scored.positions[len(prompt) :] if p is not None]
         values = [p.logprob for p in positions]
-        z = rank_z(positions, listed=RANK_TOP_K, seed=f"{probe_id}:{index}:{source}:{ids}")
+        z = rank_z(positions, listed=RANK_TOP_K, seed=f"{probe_id}:{index}:{source}:{ids}", horizon=self.horizon)
         return SampledText(probe_id, index, source, ids, statistics.fmean(values) if values else 0.0, z, len(values), seq)
 
 
@@ -184,7 +200,8 @@ class Auditor:
         """Every endpoint tag the survey listed (a pin on a base slug ignores its variants)."""
         self.reference = reference
         self.design = design
-        self.scorer = Scorer(reference, design.reasoning, top_logprobs=design.top_logprobs, attempts=design.max_attempts)
+        self.scorer = Scorer(reference, design.reasoning, top_logprobs=design.top_logprobs, attempts=design.max_attempts,
+                             horizon=design.rank_tokens)  # fmt: skip
         self.concurrency = concurrency
         self.limits: dict[str, AdaptiveLimit] = {}
         """Probe requests in flight at each endpoint, by tag (``limit``)."""
