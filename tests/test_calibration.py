@@ -97,7 +97,7 @@ def test_a_control_noisier_than_the_extreme_threshold_moves_the_threshold_up() -
 
 def test_detection_rates_are_the_coarse_builds_lower_bounds() -> None:
     rng = np.random.default_rng(2)
-    coarse = Faithful("nvfp4", np.abs(rng.normal(0.6, 0.15, 288)).tolist(), [], rng.normal(1.0, 1.3, 288).tolist())
+    coarse = Faithful("nvfp4", np.abs(rng.normal(0.6, 0.15, 288)).tolist(), [], rng.normal(0.3, 1.3, 288).tolist())
     decision = SHIPPED.verify.decision
     used, bounds = detection(decision, MARGIN, coarse, confidence=0.95)
     by_name = {b.margin: b for b in bounds}
@@ -108,7 +108,7 @@ def test_detection_rates_are_the_coarse_builds_lower_bounds() -> None:
         == logprob.bound
         == pytest.approx(share_interval(round(logprob.measured * 288), 288, confidence=1 - 0.05 / 2)[0])
     )
-    assert 0.1 < sample.bound < sample.measured < 0.3 and used.mixture_detection_sample == sample.bound  # ~19 % flagged
+    assert 0.03 < sample.bound < sample.measured < 0.15 and used.mixture_detection_sample == sample.bound  # ~9.5 % flagged
     assert sample.widened  # a lower detection rate than shipped claims less power: looser
     assert used.mixture_share == decision.mixture_share  # nothing else moves
     with pytest.raises(ValueError, match="never flagged"):

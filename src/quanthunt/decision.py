@@ -212,12 +212,16 @@ def mixture_power(mode: str, n: int, *, providers: int, margin: Margins, policy:
     return [float(v) for v in sequential.e_tail_power_curve(t.rate, n, p0=t.p0, threshold=t.threshold, weight=t.weight)]
 
 
+MIXTURE_SEARCH_MAX = 20_000
+"""The longest audit ``mixture_needed`` looks for the mixture power in."""
+
+
 @functools.lru_cache(maxsize=64)
 def mixture_needed(mode: str, *, providers: int, margin: Margins, policy: Decision) -> int | None:
-    """The fewest completions with :func:`mixture_power` ≥ ``min_power`` (None: beyond 20,000)."""
+    """The fewest completions with :func:`mixture_power` ≥ ``min_power`` (None: beyond :data:`MIXTURE_SEARCH_MAX`)."""
     t = TailTest.of(mode, providers=providers, margin=margin, policy=policy)
     return sequential.completions_for_e_tail(t.rate, p0=t.p0, threshold=t.threshold, power=policy.min_power,
-                                        weight=t.weight, max_n=20_000)  # fmt: skip
+                                        weight=t.weight, max_n=MIXTURE_SEARCH_MAX)  # fmt: skip
 
 
 @dataclass
@@ -295,7 +299,7 @@ def judge(
             needed = mixture_needed(audit.mode, providers=m, margin=margin, policy=policy)
             threshold = TailTest.of(audit.mode, providers=m, margin=margin, policy=policy).threshold
             state.needed = _still_needed(tests, n, threshold, needed, e_adj < policy.alpha)
-            state.reason = _undecided(state, n, policy, e_adj)
+            state.reason = _undecided(state, n, policy, e_adj, reachable=needed is not None)
     return states
 
 
@@ -349,11 +353,14 @@ def _still_needed(tests: Tests, n: int, threshold: float, mixture_needed: int | 
     return max(max(v for v in needs if v is not None) - n, 1)
 
 
-def _undecided(state: State, n: int, policy: Decision, e_adj: float) -> str:
+def _undecided(state: State, n: int, policy: Decision, e_adj: float, *, reachable: bool) -> str:
     if e_adj >= policy.alpha:
         why = f"equivalence within the margins not shown after {n} completions (p_adj={e_adj:.2g})"
     else:
         why = f"the power to catch a {policy.mixture_share:.0%} mixture is {state.power:.3f} < {policy.min_power}"
+    if not reachable:
+        return why + (f"; no audit of up to {MIXTURE_SEARCH_MAX:,} completions would reach that power at the mixture detection "
+                      "rate assumed (the tail test flags too few coarse completions beyond its faithful share)")  # fmt: skip
     more = (
         f"; about {state.needed} more completions would be needed"
         if state.needed
