@@ -59,7 +59,7 @@ from scipy.special import logsumexp
 from scipy.stats import beta
 
 from quanthunt import sequential
-from quanthunt.measurements import rank_z
+from quanthunt.measurements import rank
 from quanthunt.monitor import MAX_COMPONENTS, Observation, ProviderMonitor, Stop, suspect_from
 from quanthunt.monitoring import LOGPROB_TOP
 from quanthunt.params import Margins, Params, load_params
@@ -100,8 +100,8 @@ def observation(item: Item, tokens: int) -> Observation:
     """A reply's observation as the monitor's logprob-mode scoring makes it."""
     deltas = item.deltas[:tokens]
     seed = f"{item.probe}:{item.token_ids[:tokens]}"
-    z = rank_z(item.positions(LOGPROB_TOP)[:tokens], listed=LOGPROB_TOP, seed=seed, horizon=tokens)
-    return Observation(statistics.fmean(abs(d) for d in deltas), z)
+    ranks = rank(item.positions(LOGPROB_TOP)[:tokens], listed=LOGPROB_TOP, seed=seed, horizon=tokens)
+    return Observation(statistics.fmean(abs(d) for d in deltas), ranks.z, ranks.pit)
 
 
 @dataclass

@@ -61,8 +61,8 @@ def split(pool: Pool, control: int) -> tuple[Pool, Pool]:
 
 
 def faithful(name: str, pool: Pool, scores: Scores) -> Faithful:
-    shift, z5, z20 = zip(*(scores(item) for group in pool.values() for item in group), strict=True)
-    return Faithful(name, list(shift), list(z5), list(z20))
+    shift, r5, r20 = zip(*(scores(item) for group in pool.values() for item in group), strict=True)
+    return Faithful(name, list(shift), [r.z for r in r5], [r.z for r in r20], [r.pit for r in r5], [r.pit for r in r20])
 
 
 def replay(

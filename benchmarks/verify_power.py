@@ -38,7 +38,7 @@ from power_pools import SERVED, Item, load_pools
 
 from quanthunt import distances, stats
 from quanthunt.decision import Subject, judge
-from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, rank_z
+from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, Rank, SampledText, rank
 from quanthunt.params import Margins, Params, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,23 +62,23 @@ TOP_LOGPROBS = 5
 
 
 class Scores:
-    """Each pooled completion's observations, computed once: mean |Δ| and rank z as the
-    logprob-mode audit sees them (top 5), and rank z as sample mode sees it (top 20)."""
+    """Each pooled completion's observations, computed once: mean |Δ| and the rank
+    statistics as the logprob-mode audit sees them (top 5), and as sample mode does (top 20)."""
 
     def __init__(self, horizon: int = 64) -> None:
-        self._cache: dict[int, tuple[float, float, float]] = {}
+        self._cache: dict[int, tuple[float, Rank, Rank]] = {}
         self.horizon = horizon
         """The rank statistic's tokens (``decision.mixture_detection_tokens``)."""
 
-    def __call__(self, item: Item) -> tuple[float, float, float]:
+    def __call__(self, item: Item) -> tuple[float, Rank, Rank]:
         key = id(item)
         if key not in self._cache:
             seed = f"{item.probe}:{item.token_ids}"
             shift = statistics.fmean(abs(d) for d in item.deltas) if item.deltas else 0.0
             self._cache[key] = (
                 shift,
-                rank_z(item.positions(TOP_LOGPROBS), listed=TOP_LOGPROBS, seed=seed, horizon=self.horizon),
-                rank_z(item.positions(RANK_TOP_K), listed=RANK_TOP_K, seed=seed, horizon=self.horizon),
+                rank(item.positions(TOP_LOGPROBS), listed=TOP_LOGPROBS, seed=seed, horizon=self.horizon),
+                rank(item.positions(RANK_TOP_K), listed=RANK_TOP_K, seed=seed, horizon=self.horizon),
             )
         return self._cache[key]
 
@@ -125,15 +125,17 @@ def sequential(
             for _ in range(k):
                 item = queues[probe][taken[probe] % len(queues[probe])]
                 taken[probe] += 1
-                _, z5, z20 = scores(item)
+                _, r5, r20 = scores(item)
                 audit.attempted += 1
                 audit.served_by["p"] += 1
                 if mode == "logprob":
                     deltas = item.deltas
-                    audit.logprob.append(LogprobCompletion(item.probe, seq, len(deltas), len(deltas), deltas, [], [], z5, seq))
+                    audit.logprob.append(LogprobCompletion(item.probe, seq, len(deltas), len(deltas), deltas, [], [],
+                                                           r5.z, r5.pit, seq))  # fmt: skip
                 else:
                     tokens = len(item.token_ids)
-                    audit.sampled.append(SampledText(item.probe, seq, "provider", item.token_ids, 0.0, z20, tokens, seq))
+                    audit.sampled.append(SampledText(item.probe, seq, "provider", item.token_ids, 0.0, r20.z, r20.pit,
+                                                     tokens, seq))  # fmt: skip
                 seq += 1
         if number == 0:
             first.logprob, first.sampled = list(audit.logprob), list(audit.sampled)
@@ -181,19 +183,21 @@ def mmd_rejects(audit: Audit, reference: dict[str, list[Item]], params: Params, 
     return test.pvalue * providers < params.verify.decision.alpha
 
 
-OBSERVATIONS_HEADER = f"{'mean |Δ|':>10}{'|Δ|>tail':>10}{'Φ(z) top5':>11}{'z5>2':>7}{'Φ(z) top20':>12}{'z20>2':>7}"
+OBSERVATIONS_HEADER = f"{'mean |Δ|':>10}{'|Δ|>tail':>10}{'pit top5':>10}{'z5>2':>7}{'pit top20':>11}{'z20>2':>7}"
 
 
 def observations(pool: dict[str, list[Item]], scores: Scores, m: Margins) -> str:
-    """A pool's per-completion observations, as columns under :data:`OBSERVATIONS_HEADER`."""
-    norm = statistics.NormalDist()
+    """A pool's per-completion observations, as columns under :data:`OBSERVATIONS_HEADER`
+    (pit: ``Rank.pit``, what the sampler's mean tests bet on; z: the padded rank z)."""
     items = [i for group in pool.values() for i in group]
-    shift, z5, z20 = (np.array(column) for column in zip(*(scores(i) for i in items), strict=True))
-    pit5, pit20 = (np.array([norm.cdf(z) for z in zs]) for zs in (z5, z20))
+    shift, r5, r20 = zip(*(scores(i) for i in items), strict=True)
+    shift = np.array(shift)
+    z5, z20 = (np.array([r.z for r in ranks]) for ranks in (r5, r20))
+    pit5, pit20 = (np.array([r.pit for r in ranks]) for ranks in (r5, r20))
     return (
         f"{shift.mean():>10.4f}{np.mean(shift > m.tail_dlogprob):>10.3f}"
-        f"{pit5.mean():>11.3f}{np.mean(z5 > m.sample_tail_z):>7.3f}"
-        f"{pit20.mean():>12.3f}{np.mean(z20 > m.sample_tail_z):>7.3f}"
+        f"{pit5.mean():>10.3f}{np.mean(z5 > m.sample_tail_z):>7.3f}"
+        f"{pit20.mean():>11.3f}{np.mean(z20 > m.sample_tail_z):>7.3f}"
     )
 
 
@@ -205,7 +209,7 @@ def calibration(pools: dict[str, dict[str, list[Item]]], scores: Scores, params:
         print(f"{name:<20}{observations(pools[name], scores, m)}")
     print(
         "  (margins: mean |Δ| ≤ "
-        f"{m.mean_abs_dlogprob}, extreme beyond {m.tail_dlogprob}; |Φ(z) − ½| ≤ {m.sampler_shift}, equivalence within "
+        f"{m.mean_abs_dlogprob}, extreme beyond {m.tail_dlogprob}; |pit − ½| ≤ {m.sampler_shift}, equivalence within "
         f"½ ± {m.sampler_equivalence}; extreme z > {m.sample_tail_z}. NVFP4's extreme shares are "
         "verify.decision.mixture_detection_logprob / _sample.)"
     )

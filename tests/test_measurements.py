@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from quanthunt.measurements import compare_logprobs, pit_normal_score, rank_z
+from quanthunt.measurements import compare_logprobs, pit_normal_score, rank
 from quanthunt.reference import Position, Scored
 from quanthunt.replies import TokenLogprob
 
@@ -173,7 +173,7 @@ def exact_samples(count: int, *, min_tokens: int, max_tokens: int, seed: int) ->
         positions: list[Position] = []
         last = 1
         while len(positions) < max_tokens:
-            stop = 0.0 if len(positions) < min_tokens else (0.6 if last == 5 else 0.05)
+            stop = 0.0 if len(positions) < min_tokens else (0.9 if last == 5 else 0.02)
             rest = [0.4, 0.25, 0.15, 0.1, 0.1]  # tokens 1..5; 5 is the full stop
             probs = [stop] + [(1 - stop) * p for p in rest]
             drawn = rng.choices(range(6), weights=probs)[0]
@@ -187,35 +187,38 @@ def exact_samples(count: int, *, min_tokens: int, max_tokens: int, seed: int) ->
     return completions
 
 
-def test_rank_z_is_standard_normal_for_exact_samples_of_any_length() -> None:
+def test_rank_z_is_standard_normal_for_exact_samples_whatever_stops_them() -> None:
     """Exact samples of 5 to 64 tokens whose length the text decides (a stop after a full
     stop): with the stop token scored and the rest padded to the horizon, Φ(z) has mean ½ and
-    P(z > 2) is 1 − Φ(2) = 0.0228, at every length. Leaving the stop token out and dividing by
-    √tokens (the statistic before) is biased upwards, most for the shortest texts."""
-    samples = exact_samples(6000, min_tokens=4, max_tokens=64, seed=1)
+    P(z > 2) is 1 − Φ(2) = 0.0228; the pit (the padding averaged out) has mean ½ too, at less
+    than half Φ(z)'s variance. Leaving the stop token out and dividing by √tokens (the
+    statistic before) is biased upwards."""
+    samples = exact_samples(20_000, min_tokens=4, max_tokens=64, seed=1)
     lengths = [len(s) for s in samples]
     assert min(lengths) == 5 and max(lengths) == 64 and statistics.median(lengths) == 11
-    z = [rank_z(s, listed=3, seed=f"s{i}", horizon=64) for i, s in enumerate(samples)]
+    ranks = [rank(s, listed=3, seed=f"s{i}", horizon=64) for i, s in enumerate(samples)]
+    z = [r.z for r in ranks]
     normal = statistics.NormalDist()
-    pit = [normal.cdf(v) for v in z]
-    assert abs(statistics.fmean(pit) - 0.5) < 0.012  # 3.2 standard errors of 6,000 uniforms
-    assert abs(sum(v > 2 for v in z) / len(z) - 0.0228) < 0.0062  # 3.2 standard errors
-    short = [p for p, n in zip(pit, lengths, strict=True) if n <= 8]
-    assert len(short) > 1000 and abs(statistics.fmean(short) - 0.5) < 0.03
+    assert abs(statistics.fmean(normal.cdf(v) for v in z) - 0.5) < 0.0065  # 3.2 standard errors of 20,000 uniforms
+    assert abs(sum(v > 2 for v in z) / len(z) - 0.0228) < 0.0034  # 3.2 standard errors
+    pit = [r.pit for r in ranks]
+    assert abs(statistics.fmean(pit) - 0.5) < 0.004 and statistics.variance(pit) < 0.5 / 12
     rng = random.Random(2)
     before = [
         math.fsum(pit_normal_score(p, listed=3, u=rng.random()) for p in s if p.token_id != 0)
         / math.sqrt(sum(p.token_id != 0 for p in s))
         for s in samples
     ]
-    short_before = [normal.cdf(v) for v, n in zip(before, lengths, strict=True) if n <= 8]
-    assert statistics.fmean(short_before) > 0.55  # measured 0.573
+    assert statistics.fmean(normal.cdf(v) for v in before) > 0.515  # measured 0.525, 12 standard errors off ½
 
 
 def test_rank_z_reads_only_its_horizon_and_pads_the_rest_reproducibly() -> None:
     [sample] = exact_samples(1, min_tokens=40, max_tokens=40, seed=3)
-    assert rank_z(sample, listed=3, seed="a", horizon=16) == rank_z(sample[:16], listed=3, seed="a", horizon=16)
-    assert rank_z(sample[:5], listed=3, seed="a", horizon=16) == rank_z(sample[:5], listed=3, seed="a", horizon=16)
-    assert rank_z(sample[:5], listed=3, seed="a", horizon=16) != rank_z(sample[:5], listed=3, seed="b", horizon=16)
+    whole = rank(sample, listed=3, seed="a", horizon=16)
+    assert whole == rank(sample[:16], listed=3, seed="a", horizon=16)
+    assert whole.pit == pytest.approx(statistics.NormalDist().cdf(whole.z))  # nothing padded
+    short = rank(sample[:5], listed=3, seed="a", horizon=16)
+    assert short == rank(sample[:5], listed=3, seed="a", horizon=16)
+    assert short.z != rank(sample[:5], listed=3, seed="b", horizon=16).z
     with pytest.raises(ValueError, match="horizon"):
-        rank_z(sample, listed=3, seed="a", horizon=0)
+        rank(sample, listed=3, seed="a", horizon=0)

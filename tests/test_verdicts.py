@@ -22,7 +22,7 @@ from quanthunt.verdicts import Calibration, Estimate, Observed, Verdict, Verdict
 from quanthunt.verdicts import TestResult as HypothesisTest  # not a pytest class
 
 MARGIN = SHIPPED.verify.margin
-"""mean |Δ logprob| margin 0.08; sampler: different beyond ½ ± 0.05, equivalent within ½ ± 0.15."""
+"""mean |Δ logprob| margin 0.08; sampler: different beyond ½ ± 0.03, equivalent within ½ ± 0.1."""
 
 
 def written(tmp_path: Path, data: dict[str, Any]) -> Path:
@@ -137,14 +137,14 @@ def effects(
         ("equivalent", effects(shift=(0.012, 0.0, 0.03)), "equivalent: mean |Δlogprob| 0.012 (CI ≤ 0.03) < margin 0.08"),
         ("different", effects(shift=(0.3, 0.2, 0.4)), "different: mean |Δlogprob| 0.3 (CI ≥ 0.2) > margin 0.08"),
         ("inconclusive", effects(shift=(0.07, 0.05, 0.1)), "inconclusive: mean |Δlogprob| 0.07 (CI 0.05–0.1) vs margin 0.08"),
-        ("equivalent", effects(pit=(0.49, 0.41, 0.57)), f"equivalent: {PIT} 0.49 (CI 0.41–0.57) within ½ ± 0.15"),
-        ("different", effects(pit=(0.8, 0.7, 0.9)), f"different: {PIT} 0.8 (CI 0.7–0.9) off ½ by more than 0.05"),
-        ("different", effects(pit=(0.2, 0.1, 0.3)), f"different: {PIT} 0.2 (CI 0.1–0.3) off ½ by more than 0.05"),
-        ("inconclusive", effects(pit=(0.5, 0.3, 0.7)), f"inconclusive: {PIT} 0.5 (CI 0.3–0.7) vs ½ ± 0.15"),
+        ("equivalent", effects(pit=(0.49, 0.41, 0.57)), f"equivalent: {PIT} 0.49 (CI 0.41–0.57) within ½ ± 0.1"),
+        ("different", effects(pit=(0.8, 0.7, 0.9)), f"different: {PIT} 0.8 (CI 0.7–0.9) off ½ by more than 0.03"),
+        ("different", effects(pit=(0.2, 0.1, 0.3)), f"different: {PIT} 0.2 (CI 0.1–0.3) off ½ by more than 0.03"),
+        ("inconclusive", effects(pit=(0.5, 0.3, 0.7)), f"inconclusive: {PIT} 0.5 (CI 0.3–0.7) vs ½ ± 0.1"),
         (
             "equivalent",
             effects(shift=(0.012, 0.0, 0.03), pit=(0.49, 0.41, 0.57)),
-            f"equivalent: mean |Δlogprob| 0.012 (CI ≤ 0.03) < margin 0.08; {PIT} 0.49 (CI 0.41–0.57) within ½ ± 0.15",
+            f"equivalent: mean |Δlogprob| 0.012 (CI ≤ 0.03) < margin 0.08; {PIT} 0.49 (CI 0.41–0.57) within ½ ± 0.1",
         ),
         ("inconclusive", {}, "inconclusive: nothing measured"),
     ],

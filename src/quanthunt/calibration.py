@@ -60,6 +60,11 @@ class Faithful:
     (logprob mode's sampler check)."""
     z_sample: Sequence[float]
     """Rank z of each completion under the reference's top 20 (sample mode)."""
+    pit_listed: Sequence[float] | None = None
+    """``Rank.pit`` of each under the top ``top_logprobs`` (what the sampler's mean tests bet
+    on); None: Φ(z), as for completions as long as the horizon."""
+    pit_sample: Sequence[float] | None = None
+    """The same under the top 20."""
 
 
 @dataclass(frozen=True)
@@ -127,12 +132,13 @@ def calibrate(shipped: Margins, control: Faithful, *, confidence: float) -> tupl
     bounds.append(Bound("tail_p0", extreme / n, tail_p0, shipped.tail_p0, max(shipped.tail_p0, tail_p0), n))
     shift = shipped.sampler_shift
     sample_tail_p0 = shipped.sample_tail_p0
-    for listing, zs in (("listed", control.z_listed), ("sample", control.z_sample)):
+    listings = (("listed", control.z_listed, control.pit_listed), ("sample", control.z_sample, control.pit_sample))
+    for listing, zs, measured_pits in listings:
         flagged = sum(z > shipped.sample_tail_z for z in zs)
         upper = share_interval(flagged, n, confidence=each)[1]
         sample_tail_p0 = max(sample_tail_p0, upper)
         bounds.append(Bound(f"sample_tail_p0 ({listing})", flagged / n, upper, shipped.sample_tail_p0, sample_tail_p0, n))
-        pits = [_NORMAL.cdf(z) for z in zs]
+        pits = list(measured_pits) if measured_pits is not None else [_NORMAL.cdf(z) for z in zs]
         low, high = mean_interval(pits, confidence=each)
         off = max(high - 0.5, 0.5 - low)
         shift = max(shift, off)

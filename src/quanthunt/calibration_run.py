@@ -167,7 +167,7 @@ async def measure(
     prompts: dict[str, list[int]] = {}
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(probe: Probe, index: int, seq: int) -> tuple[int, float, float, float] | None:
+    async def one(probe: Probe, index: int, seq: int) -> tuple[int, float, float, float, float, float] | None:
         async with gate:
             try:
                 reply = await with_retries(
@@ -195,11 +195,12 @@ async def measure(
             if not paired.deltas or not text.tokens:
                 failed["unpaired_tokens"] += 1
                 return None
-            return seq, paired.mean_abs_delta, paired.rank_z, text.rank_z
+            return seq, paired.mean_abs_delta, paired.rank_z, text.rank_z, paired.rank_pit, text.rank_pit
 
     jobs = [one(p, i, n * per_prompt + i) for n, p in enumerate(probes) for i in range(per_prompt)]
     done = sorted(r for r in await asyncio.gather(*jobs) if r is not None)
-    faithful = Faithful(name, [r[1] for r in done], [r[2] for r in done], [r[3] for r in done])
+    faithful = Faithful(name, [r[1] for r in done], [r[2] for r in done], [r[3] for r in done],
+                        [r[4] for r in done], [r[5] for r in done])  # fmt: skip
     return Completions(faithful, failed)
 
 

@@ -7,7 +7,8 @@ Each audited completion becomes a few observations bounded in [0, 1] (betting ne
   clipped at the extreme threshold ``tail_dlogprob`` and divided by it;
 - **extreme** (logprob mode): 1 if that mean is beyond ``tail_dlogprob``;
 - **pit**: ``Φ(z)`` of the completion's rank z, the normal score of each sampled token's
-  randomised PIT under the reference summed over tokens and divided by √tokens. Text the
+  randomised PIT under the reference (the stop token included) summed over a fixed horizon,
+  a shorter text padded with independent draws (``measurements.rank_z``). Text the
   reference's own sampler would have produced gives z ~ N(0, 1) exactly, so pit is uniform
   with mean ½; a coarser model or a hotter sampler picks tokens the reference ranks lower
   (pit above ½), a colder or truncating sampler picks its favourites (below ½). Measured
@@ -68,6 +69,9 @@ class Observations:
     probes: list[str]
     first_round: int
     """How many of them the first round produced."""
+    pits: list[float] | None = None
+    """``Rank.pit`` per completion (E[Φ(z)] given its text); None: Φ(z) (verdicts from
+    before it was kept)."""
 
     @classmethod
     def of(cls, audit: Audit) -> Observations:
@@ -75,16 +79,19 @@ class Observations:
         if audit.mode == "logprob":
             done = [c for c in audit.logprob if c.deltas]
             first = sum(c.seq < end for c in done)
-            return cls("logprob", [c.mean_abs_delta for c in done], [c.rank_z for c in done], [c.probe_id for c in done], first)
+            return cls("logprob", [c.mean_abs_delta for c in done], [c.rank_z for c in done], [c.probe_id for c in done],
+                       first, [c.rank_pit for c in done])  # fmt: skip
         texts = [s for s in audit.sampled if s.source == "provider" and s.tokens]
-        return cls("sample", [], [s.rank_z for s in texts], [s.probe_id for s in texts], sum(s.seq < end for s in texts))
+        return cls("sample", [], [s.rank_z for s in texts], [s.probe_id for s in texts], sum(s.seq < end for s in texts),
+                   [s.rank_pit for s in texts])  # fmt: skip
 
     @property
     def n(self) -> int:
         return len(self.z)
 
     def pit(self) -> list[float]:
-        return [_STANDARD_NORMAL.cdf(z) for z in self.z]
+        """What the sampler's mean tests bet on: each completion's mean Φ(rank z) given its text."""
+        return list(self.pits) if self.pits is not None else [_STANDARD_NORMAL.cdf(z) for z in self.z]
 
 
 Side = Literal["greater", "less"]
@@ -532,7 +539,9 @@ def verdicts(
                 rounds=n_rounds,
                 e_value=_finite(combined.peak),
                 e_path=[round(float(w), 6) for w in combined.wealth],
-                observed=Observed(shift=[round(v, 6) for v in obs.shift], z=[round(v, 6) for v in obs.z]),
+                observed=Observed(
+                    shift=[round(v, 6) for v in obs.shift], z=[round(v, 6) for v in obs.z], pit=[round(v, 6) for v in obs.pit()]
+                ),
                 failed_requests=audit.failed,
                 errors=dict(audit.errors),
                 tokens=audit.tokens,

@@ -8,10 +8,11 @@
 - **sample mode** (no logprobs): provider and reference each sample completions for the
   same prompts; the reference scores every completion (``SampledText``).
 
-Every measured completion also gets its rank z (``rank_z``): the reference's randomised
-PIT of each sampled token, its stop token included, as a normal score, summed over a fixed
-horizon (a shorter text padded with independent draws) and divided by √horizon: exactly
-N(0, 1) for text the reference's own sampler produced, at any length. In sample mode it is the
+Every measured completion also gets its rank statistics (``rank``): the reference's
+randomised PIT of each sampled token, its stop token included, as a normal score, summed
+over a fixed horizon (a shorter text padded with independent draws) and divided by
+√horizon: a rank z exactly N(0, 1) for text the reference's own sampler produced, at any
+length, and its conditional mean Φ given the text (mean exactly ½, less noisy). In sample mode it is the
 measurement; in logprob mode it checks the provider's sampler, which the logprobs it
 reports say nothing about. ``Audit`` holds one provider's measurements and accounts for
 every completion asked for; ``quanthunt.decision`` turns audits into verdicts.
@@ -51,6 +52,8 @@ class LogprobCompletion:
     top1_agree: list[bool]
     rank_z: float = 0.0
     """The sampler check: rank z of the paired tokens under the reference's top-k."""
+    rank_pit: float = 0.5
+    """... and its ``Rank.pit``, which the sampler's mean tests bet on."""
     seq: int = 0
     """Position in the audit plan (probe order × completions + index): observations are
     tested in this order, so a later round never reorders an earlier one."""
@@ -78,6 +81,8 @@ class SampledText:
     exactly uniform and independent of the past, so z is N(0, 1) with no calibration run;
     text from a coarser model or a hotter sampler picks tokens the reference ranks lower
     (z > 0), a colder or truncating sampler its favourites (z < 0)."""
+    rank_pit: float = 0.5
+    """Its ``Rank.pit``: E[Φ(z)] given the text, which the sampler's mean tests bet on."""
     tokens: int = 0
     seq: int = 0
     """Position in the audit plan (see ``LogprobCompletion.seq``)."""
@@ -148,25 +153,38 @@ def pit_normal_score(position: Position, *, listed: int, u: float) -> float:
     return _STANDARD_NORMAL.inv_cdf(min(max(value, 1e-12), 1 - 1e-12))
 
 
-def rank_z(positions: Sequence[Position], *, listed: int, seed: str, horizon: int) -> float:
-    """A completion's rank z: the normal scores of its first ``horizon`` tokens (the stop
-    token among them when it stopped), plus as many independent N(0, 1) draws as it fell
-    short of ``horizon``, summed and divided by √horizon (seeded: the same text gives the
-    same z).
+@dataclass(frozen=True)
+class Rank:
+    """A completion's rank statistics (``rank``): ``S``, the sum of the normal scores of its
+    first ``horizon`` tokens (the stop token among them when it stopped), over ``n`` of them."""
 
-    Exactly N(0, 1) for the reference's own sampler, whatever the length: each token's score
-    is N(0, 1) given everything before it, and when the text ends, by its stop token or at
-    ``horizon``, the rest are drawn independent of it, so there are always ``horizon``
-    i.i.d. N(0, 1) terms. Dividing by √tokens instead lets the length the text chose weigh
-    its own tokens, and leaving the stop token out scores only the tokens that were not the
-    stop (simulated exact sampler: mean Φ(z) 0.546 at 13 tokens, P(z > 2) 0.034 for 0.023)."""
+    z: float
+    """``(S + P) / √horizon`` with ``P`` an independent N(0, horizon − n) draw (seeded): the
+    padding a shorter text gets. Exactly N(0, 1) for the reference's own sampler, at any
+    length: each token's score is N(0, 1) given everything before it, and once the text
+    ends, by its stop token or at ``horizon``, the rest are drawn apart from it, so there
+    are always ``horizon`` i.i.d. N(0, 1) terms. Its tail (``z > sample_tail_z``) flags a
+    completion at exactly ``1 − Φ(sample_tail_z)`` then."""
+    pit: float
+    """``E[Φ(z) | the text] = Φ(S / √(2·horizon − n))``: the padding averaged out, so its
+    mean is exactly ½ too, at a fraction of ``Φ(z)``'s variance for a short text (a third
+    at 30 tokens of 64); the sampler's mean tests bet on it."""
+
+
+def rank(positions: Sequence[Position], *, listed: int, seed: str, horizon: int) -> Rank:
+    """A completion's rank statistics (see ``Rank``; seeded: the same text gives the same).
+
+    Dividing by √tokens and leaving the stop token out, as before, let the length the text
+    chose weigh its own tokens: a simulated exact sampler's texts of ≤ 8 tokens had mean
+    Φ(z) 0.573 (``tests/test_measurements.py``)."""
     if horizon < 1:
         raise ValueError(f"horizon must be at least 1, got {horizon}")
     rng = np.random.default_rng(int(hashlib.sha256(seed.encode()).hexdigest()[:16], 16))
     kept = positions[:horizon]
-    scores = [pit_normal_score(position, listed=listed, u=float(rng.random())) for position in kept]
+    total = math.fsum(pit_normal_score(position, listed=listed, u=float(rng.random())) for position in kept)
     padding = math.sqrt(horizon - len(kept)) * float(rng.standard_normal())
-    return (math.fsum(scores) + padding) / math.sqrt(horizon)
+    pit = _STANDARD_NORMAL.cdf(total / math.sqrt(2 * horizon - len(kept)))
+    return Rank((total + padding) / math.sqrt(horizon), pit)
 
 
 def names_pair(provider: str, reference: str) -> bool:
@@ -238,8 +256,8 @@ def compare_logprobs(
     rest = scored.positions[prompt_len + len(paired) :]
     if stopped and len(paired) == len(provider) and len(rest) == 1 and rest[0] is not None:
         ranked = [*paired, rest[0]]
-    z = rank_z(ranked, listed=listed, seed=f"{probe_id}:{index}:provider:{[p.token_id for p in ranked]}", horizon=horizon)
-    return LogprobCompletion(probe_id, index, len(provider), len(deltas), deltas, kls, agree, z, seq)
+    ranks = rank(ranked, listed=listed, seed=f"{probe_id}:{index}:provider:{[p.token_id for p in ranked]}", horizon=horizon)
+    return LogprobCompletion(probe_id, index, len(provider), len(deltas), deltas, kls, agree, ranks.z, ranks.pit, seq)
 
 
 def accounted(verdict: ProviderVerdict, audit: Audit) -> ProviderVerdict:

@@ -67,10 +67,12 @@ def suspect_from(weighted: Mapping[int, float]) -> int:
 @dataclass(frozen=True)
 class Observation:
     """One monitored reply as scored at the reference: its mean |Δ logprob| (logprob mode;
-    None in sample mode) and its rank z."""
+    None in sample mode), its rank z and its pit (``measurements.Rank``)."""
 
     shift: float | None
     z: float
+    pit: float | None = None
+    """None: Φ(z), as for a reply as long as the rank statistic's horizon."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,8 @@ class ProviderMonitor:
     def _bets(self, observation: Observation) -> list[tuple[str, Bet, float]]:
         """Each flat bet with its test's name and its weight in the averaged statistic."""
         shift = [] if observation.shift is None else [observation.shift]
-        tests = sequential_tests(Observations(self.mode, shift, [observation.z], [""], 0), self.margin,
+        pits = None if observation.pit is None else [observation.pit]
+        tests = sequential_tests(Observations(self.mode, shift, [observation.z], [""], 0, pits), self.margin,
                                  sampler=self.sampler).difference_bets  # fmt: skip
         return [(name, bet, 1.0 / (len(tests) * len(bets))) for name, bets in tests.items() for bet in bets]
 

@@ -55,7 +55,7 @@ def monitors_for(
         shifts: Sequence[float | None] = v.observed.shift if v.mode == "logprob" else [None] * len(v.observed.z)
         monitor = ProviderMonitor.start(
             v.tag, v.mode, sampler=raw, margin=margin, alpha=alpha, checkpoint_every=settings.checkpoint_every,
-            audited=[Observation(s, z) for s, z in zip(shifts, v.observed.z, strict=True)],
+            audited=[Observation(s, z, pit) for s, z, pit in zip(shifts, v.observed.z, v.observed.pits(), strict=True)],
         )  # fmt: skip
         if (dataset, v.tag) in saved:
             monitor.restore(saved[dataset, v.tag])
@@ -204,10 +204,10 @@ class Monitoring:
             if not completion.deltas:
                 errors["unpaired_tokens"] += 1
                 return None
-            return Observation(completion.mean_abs_delta, completion.rank_z)
+            return Observation(completion.mean_abs_delta, completion.rank_z, completion.rank_pit)
         ids = await self.scorer.completion_ids(reply.content, reply.reasoning, reply.finish_reason, errors)
         text = await self.scorer.text(prompt, ids, errors, probe_id=label, index=0, source="provider", seq=0)
-        return Observation(None, text.rank_z) if text.tokens else None
+        return Observation(None, text.rank_z, text.rank_pit) if text.tokens else None
 
     def _key(self, monitor: ProviderMonitor) -> tuple[str, str, str]:
         return self.verification_run_id, self.dataset, monitor.tag

@@ -33,7 +33,7 @@ import httpx
 from quanthunt.congestion import AdaptiveLimit
 from quanthunt.defaults import GATEWAY_TIMEOUT
 from quanthunt.gateway import TRANSIENT, Gateway, GatewayError, Routing, backoff_s, chat_body
-from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, compare_logprobs, rank_z
+from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, compare_logprobs, rank
 from quanthunt.params import Reasoning
 from quanthunt.probes import Design, Probe, probe_seed
 from quanthunt.reference import Reference
@@ -161,8 +161,9 @@ class Scorer:
         )
         positions = [p for p in scored.positions[len(prompt) :] if p is not None]
         values = [p.logprob for p in positions]
-        z = rank_z(positions, listed=RANK_TOP_K, seed=f"{probe_id}:{index}:{source}:{ids}", horizon=self.horizon)
-        return SampledText(probe_id, index, source, ids, statistics.fmean(values) if values else 0.0, z, len(values), seq)
+        ranks = rank(positions, listed=RANK_TOP_K, seed=f"{probe_id}:{index}:{source}:{ids}", horizon=self.horizon)
+        mean = statistics.fmean(values) if values else 0.0
+        return SampledText(probe_id, index, source, ids, mean, ranks.z, ranks.pit, len(values), seq)
 
 
 def thought_while_off(reasoning: Reasoning, reply: ChatReply, errors: Counter[str]) -> bool:
