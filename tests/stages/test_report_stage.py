@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from fixtures.generation import GenerationBed
+from fixtures.params import SHIPPED
 from fixtures.sandbox import provider
 from PIL import Image
 
@@ -181,7 +182,9 @@ def test_page_tells_who_was_surveyed_excluded_audited_and_paid(reported: Generat
     (figure,) = page.section_images["overview"]  # the audit at a glance: one row per audited provider
     drawn = description(figure)
     assert "rows: Alpha (36); Beta (36); Gamma (12)" in drawn and "Delta" not in drawn
-    assert "sampler equivalence margin ±0.15" in drawn and "logprob margin 0.08" in drawn  # params.yaml's margins
+    margin = SHIPPED.verify.margin  # params.yaml's margins
+    assert f"sampler equivalence margin ±{margin.sampler_equivalence:g}" in drawn
+    assert f"logprob margin {margin.mean_abs_dlogprob:g}" in drawn
     assert "legend: equivalent; different; inconclusive" in drawn  # coloured by verdict
     overview = page.text["overview"]
     assert re.search(r"Gamma\s.*different", overview) and re.search(r"Alpha\s.*equivalent", overview)
