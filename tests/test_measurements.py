@@ -222,3 +222,19 @@ def test_rank_z_reads_only_its_horizon_and_pads_the_rest_reproducibly() -> None:
     assert short.z != rank(sample[:5], listed=3, seed="b", horizon=16).z
     with pytest.raises(ValueError, match="horizon"):
         rank(sample, listed=3, seed="a", horizon=0)
+
+
+def test_a_stop_token_the_provider_did_not_list_is_still_ranked() -> None:
+    """vLLM lists the stop token last among a stopped reply's logprobs and it pairs like any
+    other; a provider that leaves it out still sampled it, so the rank statistic scores the
+    reference's position for it once the pairing reached the end of what was listed."""
+    names = {1: "Hi", 2: " there", 9: "<|im_end|>"}
+    top = {"Hi": -0.1, " there": -0.2, "<|im_end|>": -3.0}
+    scored = Scored([0, 1, 2, 9], [None] + [position(i, top[names[i]], top, names) for i in (1, 2, 9)])
+    listed = [token("Hi", -0.1, top), token(" there", -0.2, top)]
+    stopped = compare_logprobs("p", 0, listed, scored, prompt_len=1, listed=3, horizon=8, stopped=True)
+    cut = compare_logprobs("p", 0, listed, scored, prompt_len=1, listed=3, horizon=8, stopped=False)
+    with_stop = compare_logprobs("p", 0, [*listed, token("<|im_end|>", -3.0, top)], scored, prompt_len=1, listed=3,
+                                 horizon=8, stopped=True)  # fmt: skip
+    assert stopped.deltas == cut.deltas == [0.0, 0.0] and with_stop.deltas == [0.0, 0.0, 0.0]
+    assert (stopped.rank_z, stopped.rank_pit) == (with_stop.rank_z, with_stop.rank_pit) != (cut.rank_z, cut.rank_pit)

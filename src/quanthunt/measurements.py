@@ -12,10 +12,11 @@ Every measured completion also gets its rank statistics (``rank``): the referenc
 randomised PIT of each sampled token, its stop token included, as a normal score, summed
 over a fixed horizon (a shorter text padded with independent draws) and divided by
 √horizon: a rank z exactly N(0, 1) for text the reference's own sampler produced, at any
-length, and its conditional mean Φ given the text (mean exactly ½, less noisy). In sample mode it is the
-measurement; in logprob mode it checks the provider's sampler, which the logprobs it
-reports say nothing about. ``Audit`` holds one provider's measurements and accounts for
-every completion asked for; ``quanthunt.decision`` turns audits into verdicts.
+length, and its pit, the mean of Φ(z) given the text (mean exactly ½, less noisy). In
+sample mode they are the measurement; in logprob mode they check the provider's sampler,
+which the logprobs it reports say nothing about. ``Audit`` holds one provider's
+measurements and accounts for every completion asked for; ``quanthunt.decision`` turns
+audits into verdicts.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class SampledText:
     token_ids: list[int]
     mean_loglik: float
     rank_z: float = 0.0
-    """Sum over tokens (the stop token included, padded to a fixed horizon: ``rank_z``) of
+    """``Rank.z``: the sum over tokens (the stop token included, padded to a fixed horizon) of
     the normal score ``Φ⁻¹(u_t)`` of the token's randomised probability-integral transform
     under the reference, divided by √horizon (``u_t`` = the reference's mass on tokens it
     ranks above the sampled one, plus a uniform share of the token's own mass; uniform over
