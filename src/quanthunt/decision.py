@@ -8,7 +8,7 @@ Each audited completion becomes a few observations bounded in [0, 1] (betting ne
 - **extreme** (logprob mode): 1 if that mean is beyond ``tail_dlogprob``;
 - **pit**: ``Φ(z)`` of the completion's rank z, the normal score of each sampled token's
   randomised PIT under the reference (the stop token included) summed over a fixed horizon,
-  a shorter text padded with independent draws (``measurements.rank_z``). Text the
+  a shorter text padded with independent draws (``measurements.rank``). Text the
   reference's own sampler would have produced gives z ~ N(0, 1) exactly, so pit is uniform
   with mean ½; a coarser model or a hotter sampler picks tokens the reference ranks lower
   (pit above ½), a colder or truncating sampler picks its favourites (below ½). Measured

@@ -189,7 +189,7 @@ def sample_audit(
     title: str, provider: Sequence[float], reference: Sequence[float], *, wealth: Sequence[float], threshold: float
 ) -> bytes:
     """ECDFs and histograms of the rank z (each token's PIT under the reference as a normal
-    score, summed over a fixed horizon: ``measurements.rank_z``) of provider vs reference
+    score, summed over a fixed horizon: ``measurements.rank``) of provider vs reference
     samples: N(0, 1) for the reference's own text. Right: the e-process."""
     fig, (left, middle, right) = subplots(3)
     fig.suptitle(title, fontsize=10)

@@ -379,7 +379,7 @@ class Decision(_Section):
     flag fewer coarse completions, so the stage refuses them until the rates are measured
     again (``benchmarks/verify_power.py --tokens``). Also the rank statistic's horizon: the
     first this many tokens of every completion, the stop token among them, a shorter one
-    padded to it (``measurements.rank_z``), in verify, calibrate and generate's monitor."""
+    padded to it (``measurements.rank``), in verify, calibrate and generate's monitor."""
     max_failed_share: float = Field(ge=0, le=1)
     """More failed probe requests than this makes a provider inconclusive."""
 

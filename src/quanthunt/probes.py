@@ -68,7 +68,7 @@ class Design:
     max_attempts: int
     reasoning: Reasoning
     rank_tokens: int
-    """The rank statistic's horizon (``measurements.rank_z``): the tokens the mixture
+    """The rank statistic's horizon (``measurements.rank``): the tokens the mixture
     detection rates were measured at, ``decision.mixture_detection_tokens``."""
 
     @classmethod

@@ -95,7 +95,7 @@ class Scorer:
         self.top_logprobs = top_logprobs
         self.attempts = attempts
         self.horizon = horizon
-        """The rank statistic's tokens (``measurements.rank_z``): ``decision.mixture_detection_tokens``."""
+        """The rank statistic's tokens (``measurements.rank``): ``decision.mixture_detection_tokens``."""
 
     async def check(self) -> None:
         """Find the token that ends a turn (``Reference.end_of_turn``) before anything is
