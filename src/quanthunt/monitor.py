@@ -72,7 +72,8 @@ class Observation:
     shift: float | None
     z: float
     pit: float | None = None
-    """None: Φ(z), as for a reply as long as the rank statistic's horizon."""
+    """None: Φ(z), what a verdicts file that kept no pits leaves (the pit itself for a text
+    as long as the rank statistic's horizon)."""
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,10 @@ def monitors_for(
     out = {}
     for v in eligible:
         shifts: Sequence[float | None] = v.observed.shift if v.mode == "logprob" else [None] * len(v.observed.z)
+        pits: Sequence[float | None] = v.observed.pit or [None] * len(v.observed.z)  # a file from before: Φ(z)
         monitor = ProviderMonitor.start(
             v.tag, v.mode, sampler=raw, margin=margin, alpha=alpha, checkpoint_every=settings.checkpoint_every,
-            audited=[Observation(s, z, pit) for s, z, pit in zip(shifts, v.observed.z, v.observed.pits(), strict=True)],
+            audited=[Observation(s, z, pit) for s, z, pit in zip(shifts, v.observed.z, pits, strict=True)],
         )  # fmt: skip
         if (dataset, v.tag) in saved:
             monitor.restore(saved[dataset, v.tag])

@@ -5,7 +5,6 @@ generate and validate stages read. Validated on write and on read.
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -16,8 +15,6 @@ from quanthunt.config_files import field_path, one_line
 from quanthunt.defaults import SANDBOX_MODEL
 from quanthunt.errors import ConfigError
 from quanthunt.params import Decision, Margins
-
-_STANDARD_NORMAL = statistics.NormalDist()
 
 Verdict = Literal["equivalent", "different", "inconclusive"]
 
@@ -57,10 +54,7 @@ class Observed(_Model):
     """Rank z per completion."""
     pit: list[float] = []
     """Its mean Φ given the text (``measurements.Rank.pit``), what the sampler's mean tests
-    bet on; empty in a file from before it was kept (``pits`` then gives Φ(z))."""
-
-    def pits(self) -> list[float]:
-        return list(self.pit) if self.pit or not self.z else [_STANDARD_NORMAL.cdf(z) for z in self.z]
+    bet on; empty in a file from before it was kept (the monitor then bets on Φ(z))."""
 
 
 class ProviderVerdict(_Model):

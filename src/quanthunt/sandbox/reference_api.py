@@ -124,9 +124,9 @@ def reference_routes(
         messages = parse_messages(data.get("messages"))
         enabled = thinking_enabled(data)
         continued = _lax_bool(data.get("continue_final_message", False), "continue_final_message")
-        if continued and add_generation_prompt(data):
-            raise BadRequest(CONTINUE_WITH_GENERATION_PROMPT)
         if add_generation_prompt(data):
+            if continued:
+                raise BadRequest(CONTINUE_WITH_GENERATION_PROMPT)
             return thinking.prompt_ids(engine, messages, roster.model.reasoning, enabled=enabled)
         return engine.encode_chat(messages, add_generation_prompt=False, continue_final_message=continued)
 
