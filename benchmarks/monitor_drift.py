@@ -15,20 +15,22 @@ replays a 72-completion faithful audit (the verify stage's typical faithful audi
 provider's T = 1 pool) into component 0, then feeds ``--replies`` monitored replies, each a
 pooled completion drawn i.i.d. with a generator seeded by (seed, row, run).
 
-- **False stops**: faithful streams, ``--runs`` runs each: ``temperature -0.3`` (the native
-  model sampled at T = 0.7: a faithful provider at the generate stage's default temperature,
-  monitored without the sampler's tests) and ``int4-native`` / ``int4-bf16act`` at T = 1 (with
-  them). The share of runs ever stopped must be at most the per-provider alpha; Ville's
-  inequality also bounds the share ever reaching any lower level c by 1/c, which this checks
-  with far more resolution.
+- **False stops**: faithful streams, ``--runs`` runs each, in both modes: ``temperature -0.3``
+  (the native model sampled at T = 0.7, the generate stage's default temperature) and
+  ``int4-bf16act at T 0.7`` (bf16 compute noise at 0.7), ranked as the monitor ranks them there
+  (``measurements.tempered_pit_normal_score``, by the reference's top 20), and ``int4-native`` /
+  ``int4-bf16act`` at T = 1 (logprob mode). The share of runs ever stopped must be at most the
+  per-provider alpha; Ville's inequality also bounds the share ever reaching any lower level c
+  by 1/c, which this checks with far more resolution.
 - **Detection**: the same runs drift, at a reply drawn uniformly from the checkpoint that
   starts after 30 % of their replies or after 1,000 (a long past), to NVFP4, MXFP4,
-  INT4-g128, the substitute model, or to routing a ``verify.decision.mixture_share`` share of
-  the provider's traffic to NVFP4. Replies from the drift to the stop, the faithful replies
-  quarantined with the drifted ones (the stop quarantines from checkpoint ``suspect_from``),
-  and drifted replies that escape the quarantine (must be 0).
-  The coarse pools were sampled at T = 1; no pool holds them at T = 0.7, so the T = 0.7 rows
-  use their T = 1 completions.
+  INT4-g128, the substitute model, a sampler +0.3 hotter, or to routing a
+  ``verify.decision.mixture_share`` share of the provider's traffic to NVFP4. Replies from the
+  drift to the stop, the faithful replies quarantined with the drifted ones (the stop
+  quarantines from checkpoint ``suspect_from``), and drifted replies that escape the
+  quarantine (must be 0). At T = 0.7, NVFP4 (and the mixture's share) come from a pool sampled
+  at 0.7 and the +0.3 drift is the native model at 1.0; MXFP4, INT4-g128 and the substitute have
+  no pool at 0.7 and use their T = 1 completions.
 - **Cost**: monitored requests per provider per 1M output tokens, and the reference's time
   to score one 48-token reply teacher-forced (timed on this machine with the sandbox's
   reference model).
@@ -59,7 +61,7 @@ from scipy.special import logsumexp
 from scipy.stats import beta
 
 from quanthunt import sequential
-from quanthunt.measurements import rank
+from quanthunt.measurements import RANK_TOP_K, rank
 from quanthunt.monitor import MAX_COMPONENTS, Observation, ProviderMonitor, Stop, suspect_from
 from quanthunt.monitoring import LOGPROB_TOP
 from quanthunt.params import Margins, Params, load_params
@@ -70,9 +72,16 @@ ELIGIBLE = 4
 README's verify table; reports/verify/verdicts.json when a run left one)."""
 AUDIT = 72
 """Completions of a faithful provider's audit (Fireworks' in the README's verify table)."""
+POOL_TOKENS = 64
+"""The pools' longest completion (most end at their stop token first: a median 25-32 tokens)."""
 LONG_PAST = 1000
 """The second drift time: after this many faithful monitored replies."""
-DRIFTS = ("nvfp4", "mxfp4", "int4-g128", "substitute", "mixture")
+AT_T1 = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "int4-g128": "int4-g128", "substitute": "substitute", "mixture": "nvfp4",
+         "temperature +0.3": "temperature +0.3"}  # fmt: skip
+"""Each drift's pool at generation T = 1 (a mixture routes its share to NVFP4)."""
+AT_T07 = AT_T1 | {"nvfp4": "nvfp4 at T 0.7", "mixture": "nvfp4 at T 0.7", "temperature +0.3": "int4-native"}
+"""... at T = 0.7: NVFP4 sampled at 0.7, a +0.3 drift is the native model at 1.0; MXFP4, INT4-g128
+and the substitute have no pool at 0.7 and use their T = 1 completions (hotter than the drift)."""
 
 
 @dataclass(frozen=True)
@@ -80,41 +89,49 @@ class Base:
     """A faithful provider at a generation temperature."""
 
     label: str
+    mode: str
     stream: str
     """The pool its monitored replies come from."""
     audit: str
     """The pool its verify-stage audit came from (always T = 1)."""
-    sampler: bool
-    drifts: bool
-    """Whether the detection rows start from it."""
+    temperature: float
+    drifts: dict[str, str]
+    """The detection rows started from it: drift → its pool (none: false stops only)."""
 
 
 BASES = (
-    Base("T=0.7 (default)", "temperature -0.3", "int4-native", sampler=False, drifts=True),
-    Base("T=1", "int4-native", "int4-native", sampler=True, drifts=True),
-    Base("T=1, bf16 compute", "int4-bf16act", "int4-bf16act", sampler=True, drifts=False),
-)
+    Base("T=0.7 (default)", "logprob", "temperature -0.3", "int4-native", 0.7, AT_T07),
+    Base("T=0.7, bf16 compute", "logprob", "int4-bf16act at T 0.7", "int4-bf16act", 0.7, {}),
+    Base("T=0.7, sample mode", "sample", "temperature -0.3", "int4-native", 0.7,
+         {k: AT_T07[k] for k in ("nvfp4", "mixture", "temperature +0.3")}),
+    Base("T=0.7, sample, bf16", "sample", "int4-bf16act at T 0.7", "int4-bf16act", 0.7, {}),
+    Base("T=1", "logprob", "int4-native", "int4-native", 1.0, AT_T1),
+    Base("T=1, bf16 compute", "logprob", "int4-bf16act", "int4-bf16act", 1.0, {}),
+)  # fmt: skip
 
 
-def observation(item: Item, tokens: int) -> Observation:
-    """A reply's observation as the monitor's logprob-mode scoring makes it."""
-    deltas = item.deltas[:tokens]
+def observation(item: Item, tokens: int, mode: str, *, temperature: float, listed: int, horizon: int) -> Observation:
+    """A reply's observation as the monitor's scoring makes it (the verify stage's, for the
+    audit: its probes at T = 1, ranked by the top 5 in logprob mode)."""
     seed = f"{item.probe}:{item.token_ids[:tokens]}"
-    ranks = rank(item.positions(LOGPROB_TOP)[:tokens], listed=LOGPROB_TOP, seed=seed, horizon=tokens)
-    return Observation(statistics.fmean(abs(d) for d in deltas), ranks.z, ranks.pit)
+    ranks = rank(item.positions(listed)[:tokens], listed=listed, seed=seed, horizon=horizon, temperature=temperature)
+    shift = statistics.fmean(abs(d) for d in item.deltas[:tokens]) if mode == "logprob" else None
+    return Observation(shift, ranks.z, ranks.pit)
 
 
 @dataclass
 class Setup:
     """The monitor every run of a row starts as."""
 
-    sampler: bool
+    mode: str
     margin: Margins
     alpha: float
     every: int
+    horizon: int
+    """The rank statistics' tokens (``verify.decision.mixture_detection_tokens``)."""
 
     def monitor(self, audited: list[Observation]) -> ProviderMonitor:
-        return ProviderMonitor.start("p", "logprob", sampler=self.sampler, margin=self.margin, alpha=self.alpha,
+        return ProviderMonitor.start("p", self.mode, sampler=True, margin=self.margin, alpha=self.alpha,
                                      checkpoint_every=self.every, audited=audited)  # fmt: skip
 
 
@@ -126,9 +143,11 @@ class Table:
     factors: np.ndarray
 
     @classmethod
-    def of(cls, items: list[Item], tokens: int, setup: Setup) -> Table:
+    def of(cls, items: list[Item], tokens: int, setup: Setup, *, temperature: float, listed: int) -> Table:
         template = setup.monitor([])
-        observations = [observation(i, tokens) for i in items]
+        observations = [
+            observation(i, tokens, setup.mode, temperature=temperature, listed=listed, horizon=setup.horizon) for i in items
+        ]
         return cls(observations, np.array([template._log_factors(o).ravel() for o in observations]))
 
 
@@ -253,7 +272,8 @@ class Batch:
                 by_checkpoint = {int(c): float(w) for c, w in zip(self.ckpt[row], weighted, strict=True) if c >= 0}
                 gained = (self.s[row] - self.off[row, slot]).reshape(len(self.names), -1).max(axis=1)
                 value = min(float(np.nansum(weighted)), sequential.WEALTH_CAP)
-                self.stops[int(self.runs[row])] = Stop(t, value, suspect_from(by_checkpoint), self.names[int(np.argmax(gained))])
+                suspect = suspect_from(by_checkpoint, at=t, every=self.setup.every)
+                self.stops[int(self.runs[row])] = Stop(t, value, suspect, self.names[int(np.argmax(gained))])
             keep = ~crossed
             self.runs, self.s, self.off = self.runs[keep], self.s[keep], self.off[keep]
             self.ckpt, self.log_a = self.ckpt[keep], self.log_a[keep]
@@ -311,6 +331,15 @@ def main() -> None:
     parser.add_argument("--replies", type=int, default=2000, help="monitored replies per run (N)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--providers", type=int, default=ELIGIBLE, help="eligible providers alpha is split across")
+    parser.add_argument("--audit", type=int, default=AUDIT, help="faithful audit completions replayed into component 0")
+    parser.add_argument(
+        "--drift-at",
+        type=int,
+        nargs="*",
+        default=None,
+        help="monitored replies before each drift row's checkpoint (default: 30 %% of N and 1,000)",
+    )
+    parser.add_argument("--datasets", type=int, default=None, help="datasets alpha is split across (default: params.yaml's)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per monitored reply (generate.sampling.max_tokens)")
     parser.add_argument("--check", type=int, default=2, help="runs per row replayed through ProviderMonitor itself")
     parser.add_argument("--scorings", type=int, default=50, help="reference scorings timed (0: skip)")
@@ -318,33 +347,36 @@ def main() -> None:
     started = time.perf_counter()
     params = load_params(ROOT / "params.yaml")
     settings = params.generate.monitor
-    datasets = len(params.datasets)
-    tokens = args.tokens or params.generate.sampling.max_tokens
+    datasets = args.datasets or len(params.datasets)
+    # a reply is its first max_tokens tokens, and the pools' completions end at their stop token or at POOL_TOKENS
+    tokens = min(args.tokens or params.generate.sampling.max_tokens, POOL_TOKENS)
     audit_tokens = params.verify.probes.max_tokens
     alpha = settings.alpha / max(args.providers * datasets, 1)
     n, runs, every = args.replies, args.runs, settings.checkpoint_every
-    drift_times = sorted({round(0.3 * n), LONG_PAST} & set(range(1, n)))
+    drift_times = sorted(set(args.drift_at or {round(0.3 * n), LONG_PAST}) & set(range(n)))
     share = params.verify.decision.mixture_share
-    pools = load_pools(prompts=24, per_prompt=12, tokens=64)
+    pools = load_pools(prompts=24, per_prompt=12, tokens=POOL_TOKENS)
     flat = {name: [i for group in pool.values() for i in group] for name, pool in pools.items()}
 
     print(f"Monitor: generate.monitor share {settings.share}, alpha {settings.alpha} / ({args.providers} providers × {datasets} "
           f"datasets) = {alpha:.5f} per provider (threshold {1 / alpha:.0f}), checkpoint every {every} monitored replies, "
           f"at most {MAX_COMPONENTS} components")  # fmt: skip
-    print(f"Runs: {runs} per row, seed {args.seed}; each replays a faithful audit of {AUDIT} completions ({audit_tokens} tokens) "
-          f"into component 0, then N = {n} monitored replies of {tokens} tokens (~{n * tokens / settings.share / 1e6:.1f}M "
+    print(f"Runs: {runs} per row, seed {args.seed}; each replays a faithful audit of {args.audit} "
+          f"completions ({audit_tokens} tokens) into component 0, then N = {n} monitored replies of up to {tokens} tokens "
+          f"(≤ ~{n * tokens / settings.share / 1e6:.1f}M "
           f"output tokens of the provider at share {settings.share})")  # fmt: skip
 
     check = Check()
     false_rows, detect_rows = [], []
     for base in BASES:
-        setup = Setup(base.sampler, params.verify.margin, alpha, every)
-        stream_table = Table.of(flat[base.stream], tokens, setup)
-        audit_table = Table.of(flat[base.audit], audit_tokens, setup)
+        setup = Setup(base.mode, params.verify.margin, alpha, every, params.verify.decision.mixture_detection_tokens)
+        stream_table = Table.of(flat[base.stream], tokens, setup, temperature=base.temperature, listed=RANK_TOP_K)
+        audit_top = params.verify.probes.top_logprobs if base.mode == "logprob" else RANK_TOP_K
+        audit_table = Table.of(flat[base.audit], audit_tokens, setup, temperature=1.0, listed=audit_top)
         audits, idx = [], np.empty((runs, n), dtype=np.int64)
         for r in range(runs):
             rng = rng_for(args.seed, base.label, r)
-            audits.append(rng.choice(len(audit_table.observations), size=AUDIT, replace=False))
+            audits.append(rng.choice(len(audit_table.observations), size=args.audit, replace=False))
             idx[r] = rng.integers(0, len(stream_table.observations), size=n)
         audit_sums = np.array([audit_table.factors[a].sum(axis=0) for a in audits])
         stream = Stream(stream_table, idx)
@@ -358,11 +390,8 @@ def main() -> None:
         for r in range(min(args.check, runs)):
             audited = [audit_table.observations[i] for i in audits[r]]
             check.run(setup, audited, stream.observations(r), batch.stops.get(r), float(batch.last[r]), base.label)
-        if not base.drifts:
-            continue
-        for drift in DRIFTS:
-            pool = "nvfp4" if drift == "mixture" else drift
-            drift_table = Table.of(flat[pool], tokens, setup)
+        for drift, pool in base.drifts.items():
+            drift_table = Table.of(flat[pool], tokens, setup, temperature=base.temperature, listed=RANK_TOP_K)
             for at in drift_times:
                 label = f"{base.label}:{drift}:{at}"
                 drift_idx = np.empty((runs, n - at), dtype=np.int64)
@@ -390,17 +419,17 @@ def main() -> None:
     note(f"False stops: faithful streams, {runs} runs of N = {n} monitored replies; share of runs ever stopped (must be "
          f"≤ alpha {alpha:.5f}) with its Clopper-Pearson 95 % interval's upper end; the statistic's peak over each run; and "
          "Ville's bound at lower levels (share ever reaching c ≤ 1/c)")  # fmt: skip
-    print(f"{'generation':<20}{'stream':<18}{'tests':<9}{'stopped':>8}{'share':>8}{'CP 95% up':>11}{'≤ α':>5}"
+    print(f"{'generation':<22}{'stream':<23}{'mode':<9}{'stopped':>8}{'share':>8}{'CP 95% up':>11}{'≤ α':>5}"
           f"{'median peak':>13}{'p99 peak':>10}{'max peak':>10}{'≥ 2':>7}{'≥ 10':>7}{'≥ 100':>7}")  # fmt: skip
     for base, batch in false_rows:
         stopped = len(batch.stops)
         upper = float(beta.ppf(0.975, stopped + 1, runs - stopped))
         peaks = batch.peak
         ville = [f"{np.mean(peaks >= c):.3f}" for c in (2, 10, 100)]
-        print(f"{base.label:<20}{base.stream:<18}{'+sampler' if base.sampler else 'shift':<9}{stopped:>8}{stopped / runs:>8.4f}"
+        print(f"{base.label:<22}{base.stream:<23}{base.mode:<9}{stopped:>8}{stopped / runs:>8.4f}"
               f"{upper:>11.4f}{'yes' if stopped / runs <= alpha else 'NO':>5}{np.median(peaks):>13.3g}"
               f"{np.quantile(peaks, 0.99):>10.3g}{peaks.max():>10.3g}{ville[0]:>7}{ville[1]:>7}{ville[2]:>7}")  # fmt: skip
-    note(f"(tests: 'shift' = the two logprob-shift tests only (sampler=False, T ≠ 1); '+sampler' adds the rank-z tests. "
+    note(f"(every row runs the sampler's rank tests, at T = 0.7 on the tempered rank; logprob mode adds the two shift tests. "
          f"With 0 stops in {runs} runs the interval's upper end is {float(beta.ppf(0.975, 1, runs)):.4f}: --runs "
          f"{math.ceil(math.log(0.025) / math.log(1 - alpha))} would bring it under alpha. The sandbox's faithful shifts "
          "are far inside the margin (native: exactly 0, the reference is the same model; bf16 compute: mean 0.034, max "
@@ -412,7 +441,7 @@ def main() -> None:
          f"`at` (`at` to `at` + {every - 1}; a {share:.0%} mixture routes that share of replies to NVFP4); delay = drifted "
          "monitored replies up to and including the one that stopped it; quarantined faithful = monitored replies before "
          "the drift inside the quarantine; escaped = drifted replies before the quarantine (must be 0)")  # fmt: skip
-    print(f"{'generation':<17}{'drift':<12}{'at':>6}{'runs':>6}{'detected':>9}{'median':>7}{'p90':>6}{'p99':>6}{'max':>6}"
+    print(f"{'generation':<22}{'drift':<17}{'at':>6}{'runs':>6}{'detected':>9}{'median':>7}{'p90':>6}{'p99':>6}{'max':>6}"
           f"{'quar. faithful med/max':>24}{'escaped runs/max':>18}  test")  # fmt: skip
     prediction, hidden = None, []
     for base, drift, at, branch, starts, before, mask in detect_rows:
@@ -430,7 +459,7 @@ def main() -> None:
         if outside:
             hidden.append(f"{base.label}, {name}, {at}+: {len(outside)} (runs {', '.join(map(str, outside[:5]))}"
                           + (", ..." if len(outside) > 5 else "") + ")")  # fmt: skip
-        row = f"{base.label:<17}{name:<12}{f'{at}+':>6}{entered:>6}{len(stops) / max(entered, 1):>9.3f}"
+        row = f"{base.label:<22}{name:<17}{f'{at}+':>6}{entered:>6}{len(stops) / max(entered, 1):>9.3f}"
         if delays:
             row += (f"{statistics.median(delays):>7.0f}{percentile(delays, 0.9):>6}{percentile(delays, 0.99):>6}{max(delays):>6}"
                     f"{statistics.median(faithful):>18.0f} / {max(faithful):<3}{sum(e > 0 for e in escaped):>12} / "
@@ -493,7 +522,7 @@ def cost(params: Params, pools: dict[str, dict[str, list[Item]]], tokens: int, s
     torch.set_num_threads(1)  # CPU time is what is asked; one thread keeps it free of spin-waits
     for number, ids in enumerate(jobs):
         w, c = time.perf_counter(), time.process_time()
-        reference.score(ids, top_logprobs=LOGPROB_TOP)
+        reference.score(ids, top_logprobs=RANK_TOP_K)
         if number >= 2:  # two warm-ups
             wall.append(time.perf_counter() - w)
             cpu.append(time.process_time() - c)
@@ -501,7 +530,7 @@ def cost(params: Params, pools: dict[str, dict[str, list[Item]]], tokens: int, s
     length = statistics.mean(len(ids) for ids in jobs)
     per = statistics.median(cpu)
     note(f"reference: the sandbox's fp32 reference (SmolLM2-135M, torch {torch.__version__}, one "
-         f"thread) scoring prompt + {tokens}-token reply teacher-forced with top {LOGPROB_TOP}, {len(wall)} scorings "
+         f"thread) scoring prompt + {tokens}-token reply teacher-forced with top {RANK_TOP_K}, {len(wall)} scorings "
          f"serially (mean {length:.0f} tokens each; model loaded in {time.perf_counter() - loaded - sum(wall):.0f} s; "
          f"load average {load:.1f} on {os.cpu_count()} CPUs when timing started): median "
          f"{statistics.median(wall) * 1e3:.0f} ms wall, {per * 1e3:.0f} ms CPU per scoring (p90 "

@@ -41,7 +41,8 @@ class Served:
 
     precision: str
     temperature: float = 1.0
-    """The temperature actually used when 1.0 was asked (a misconfigured sampler)."""
+    """The temperature actually used when 1.0 was asked (a misconfigured sampler), or the
+    generation's (the ``at T 0.7`` pools: the generate stage's default, for the monitor)."""
     top_p: float = 1.0
     """The nucleus actually used when 1.0 was asked (a forced top-p)."""
     seed: int = 0
@@ -62,6 +63,8 @@ SERVED = {
     "temperature +0.1": Served("int4-native", temperature=1.1),
     "temperature -0.1": Served("int4-native", temperature=0.9),
     "forced top-p 0.9": Served("int4-native", top_p=0.9),
+    "nvfp4 at T 0.7": Served("nvfp4", temperature=0.7),
+    "int4-bf16act at T 0.7": Served("int4-bf16act", temperature=0.7),
 }
 """Every pool: ``reference samples`` is the reference's own text (another seed), for the
 MMD baseline; the rest are providers."""

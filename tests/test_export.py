@@ -257,20 +257,28 @@ def test_the_card_says_what_the_final_file_is_and_where_each_record_came_from(tm
 
 
 def test_the_card_says_what_the_audit_did_not_verify_of_the_sampling() -> None:
-    """Issue 25 §4: the audit samples at temperature 1, top-p 1; at the shipped 0.7 the card
-    must not let the dataset pass for verified at its own sampling."""
+    """Issue 25 §4: the audit samples at temperature 1, top-p 1. At the shipped 0.7 the
+    monitor tests every provider's sampler at 0.7 (the tempered rank); under a nucleus cut
+    or with the monitor off, the card must not let the dataset pass for verified at its own
+    sampling, and names the sample-mode providers nothing watched."""
     providers = [provider_verdict("alpha/int4"), provider_verdict("novita/int4", mode="sample")]
     warm = verified_sampling(PARAMS, providers)
     assert warm["audit"] == {"temperature": 1.0, "top_p": 1.0, "max_tokens": PARAMS.verify.probes.max_tokens}
     assert warm["generation"]["temperature"] == PARAMS.generate.sampling.temperature == 0.7
-    assert warm["differs"] == ["temperature"] and warm["not_monitored"] == ["novita/int4"]
-    assert "Not verified: that each provider applies this temperature and top-p" in warm["note"]
+    assert warm["differs"] == ["temperature"] and warm["not_monitored"] == []
+    assert "The monitor tests each monitored reply's sampler at temperature 0.7" in warm["note"]
+    assert "Not verified" not in warm["note"]
 
-    def sampled_at(temperature: float, top_p: float) -> Params:
+    def sampled_at(temperature: float, top_p: float, share: float = 0.05) -> Params:
         sampling = changed(PARAMS.generate.sampling, temperature=temperature, top_p=top_p)
-        return PARAMS.model_copy(update={"generate": PARAMS.generate.model_copy(update={"sampling": sampling})})
+        monitor = changed(PARAMS.generate.monitor, share=share)
+        return PARAMS.model_copy(update={"generate": PARAMS.generate.model_copy(update={"sampling": sampling,
+                                                                                          "monitor": monitor})})  # fmt: skip
 
     nucleus = verified_sampling(sampled_at(1.0, 0.9), providers)
-    assert nucleus["differs"] == ["top_p"] and "top-p 0.9" in nucleus["note"]
+    assert nucleus["differs"] == ["top_p"] and "top-p 0.9" in nucleus["note"] and nucleus["not_monitored"] == ["novita/int4"]
+    assert "Not verified: that each provider applies this temperature and top-p" in nucleus["note"]
+    unwatched = verified_sampling(sampled_at(0.7, 1.0, share=0.0), providers)
+    assert unwatched["not_monitored"] == ["novita/int4"] and "Not verified" in unwatched["note"]
     raw = verified_sampling(sampled_at(1.0, 1.0), providers)
     assert raw["differs"] == [] and raw["not_monitored"] == [] and "Not verified" not in raw["note"]

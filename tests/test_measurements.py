@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from quanthunt.measurements import compare_logprobs, pit_normal_score, rank
+from quanthunt.measurements import compare_logprobs, pit_normal_score, rank, tempered_pit_normal_score
 from quanthunt.reference import Position, Scored
 from quanthunt.replies import TokenLogprob
 
@@ -238,3 +238,53 @@ def test_a_stop_token_the_provider_did_not_list_is_still_ranked() -> None:
                                  horizon=8, stopped=True)  # fmt: skip
     assert stopped.deltas == cut.deltas == [0.0, 0.0] and with_stop.deltas == [0.0, 0.0, 0.0]
     assert (stopped.rank_z, stopped.rank_pit) == (with_stop.rank_z, with_stop.rank_pit) != (cut.rank_z, cut.rank_pit)
+
+
+def tempered_samples(count: int, *, sampled_at: float, tokens: int, seed: int) -> list[list[Position]]:
+    """Texts drawn at temperature ``sampled_at`` from a 60-token model whose positions range
+    from flat to peaked (Zipf exponents 0.6–1.6: up to ~40 % of the raw mass outside the top
+    5), each position as the reference lists it (its raw top 5, plus the token)."""
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        positions = []
+        for _ in range(tokens):
+            steep = rng.uniform(0.6, 1.6)
+            raw = [1.0 / (i + 1) ** steep for i in range(60)]
+            probs = [p / sum(raw) for p in raw]
+            drawn = rng.choices(range(60), weights=[p ** (1 / sampled_at) for p in probs])[0]
+            logs = {i: math.log(p) for i, p in enumerate(probs)}
+            top: dict[int | str, float] = {i: logs[i] for i in range(5)}
+            positions.append(Position(drawn, logs[drawn], top | {drawn: logs[drawn]}, drawn))
+        texts.append(positions)
+    return texts
+
+
+def test_the_tempered_rank_is_exact_for_a_sampler_at_the_generations_temperature() -> None:
+    """The generate stage's monitor ranks replies sampled at T 0.7 by the reference's raw top
+    5, whose tempered normaliser it cannot know (up to ~40 % of the raw mass unlisted here).
+    Ranked within the top, a tail token scoring a draw apart from the text, a sampler at 0.7
+    gives mean pit ½ and P(z > 2) = 1 − Φ(2) (measured 0.5006 and 0.0208 over 4,000 texts);
+    one at 1.0 (a +0.3 drift) is far above ½ and one at 0.5 far below. At temperature 1 the
+    rank is the raw one, the tail ranked last."""
+    exact = [rank(t, listed=5, seed=f"e{i}", horizon=16, temperature=0.7)
+             for i, t in enumerate(tempered_samples(4000, sampled_at=0.7, tokens=12, seed=1))]  # fmt: skip
+    pits = [r.pit for r in exact]
+    assert abs(statistics.fmean(pits) - 0.5) < 3.2 * statistics.stdev(pits) / math.sqrt(len(pits))
+    assert abs(sum(r.z > 2 for r in exact) / len(exact) - 0.0228) < 3.2 * math.sqrt(0.0228 * 0.9772 / len(exact))
+    hot = [rank(t, listed=5, seed=f"h{i}", horizon=16, temperature=0.7).pit
+           for i, t in enumerate(tempered_samples(500, sampled_at=1.0, tokens=12, seed=2))]  # fmt: skip
+    cold = [rank(t, listed=5, seed=f"c{i}", horizon=16, temperature=0.7).pit
+            for i, t in enumerate(tempered_samples(500, sampled_at=0.5, tokens=12, seed=3))]  # fmt: skip
+    assert statistics.fmean(hot) > 0.56 and statistics.fmean(cold) < 0.36  # measured 0.600 and 0.320
+    untempered = [rank(t, listed=5, seed=f"e{i}", horizon=16).pit
+                  for i, t in enumerate(tempered_samples(500, sampled_at=0.7, tokens=12, seed=1))]  # fmt: skip
+    assert statistics.fmean(untempered) < 0.3  # the T = 1 rank calls a faithful sampler at 0.7 cold (0.18)
+    [text] = tempered_samples(1, sampled_at=1.0, tokens=12, seed=4)
+    assert rank(text, listed=5, seed="t", horizon=16, temperature=1.0) == rank(text, listed=5, seed="t", horizon=16)
+    tail = next(p for p in text if not p.in_top(5))
+    assert tempered_pit_normal_score(tail, listed=5, u=0.3, temperature=0.7) == pytest.approx(
+        statistics.NormalDist().inv_cdf(0.3)
+    )
+    with pytest.raises(ValueError, match="temperature"):
+        rank(text, listed=5, seed="t", horizon=16, temperature=1.3)

@@ -146,8 +146,8 @@ def test_a_drift_is_stopped_soon_and_no_drifted_reply_escapes_quarantine(draw: D
     assert stop.test == ("extreme completions" if draw is flagged else "mean |Δ logprob| above margin")
     assert stop.e_value >= m.threshold
     quarantined_from = stop.suspect_from * m.checkpoint_every
-    # every drifted reply, and at most the faithful replies benchmarks/monitor_drift.py measured (≤ 63 of them)
-    assert drift - 8 * m.checkpoint_every <= quarantined_from <= drift
+    # every drifted reply, and at most the faithful replies benchmarks/monitor_drift.py measured (≤ 111 of them)
+    assert drift - 14 * m.checkpoint_every <= quarantined_from <= drift
     assert m.checkpoint >= stop.suspect_from  # the records served now are in it
 
 

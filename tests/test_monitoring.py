@@ -23,7 +23,7 @@ from quanthunt.jobs import Eligible
 from quanthunt.ledger import Ledger, SaveMonitor
 from quanthunt.ledger_sqlite import SqliteLedger
 from quanthunt.measurements import LogprobCompletion
-from quanthunt.monitor import ProviderMonitor
+from quanthunt.monitor import ProviderMonitor, rank_temperature, sampler_testable
 from quanthunt.monitoring import Monitoring, monitor_card
 from quanthunt.replies import ChatReply, TokenLogprob
 from quanthunt.report import DatasetView, monitor_section
@@ -133,3 +133,23 @@ def test_a_monitor_whose_replies_were_never_scored_still_reports(tmp_path: Path)
     assert (monitor.served, monitor.fed, monitor.checkpoint) == (3, 3, 0)
     page = monitor_section([DatasetView("chat", [], {"providers": [{"tag": "b/int4", "monitor": card}]}, None)])
     assert "b/int4" in page and "<img" not in page
+
+
+def test_the_sampler_is_monitored_at_the_generations_temperature_and_not_where_the_pit_is_unknown() -> None:
+    """At the shipped T 0.7 (and any temperature in (0, 1]) the rank statistics are exact
+    (``measurements.tempered_pit_normal_score``): a sample-mode provider is monitored and a
+    logprob-mode one has the sampler's tests besides its |Δ| tests. A nucleus cut or a
+    temperature above 1 would need mass the reference does not list: no sampler tests there,
+    and the scorer ranks at 1 (its statistics unused) instead of failing."""
+    shipped = SHIPPED.generate.sampling
+    for sampling, testable in [(shipped, True), (changed(shipped, temperature=1.0), True),
+                               (changed(shipped, top_p=0.9), False), (changed(shipped, temperature=1.3), False),
+                               (changed(shipped, temperature=0.0), False)]:  # fmt: skip
+        assert sampler_testable(sampling) is testable
+        assert rank_temperature(sampling) == (sampling.temperature if testable else 1.0)
+        sample = ProviderMonitor.start("s/x", "sample", sampler=testable, margin=SHIPPED.verify.margin, alpha=0.05,
+                                       checkpoint_every=8, audited=[])  # fmt: skip
+        assert sample.monitored is testable
+        logprob = ProviderMonitor.start("l/x", "logprob", sampler=testable, margin=SHIPPED.verify.margin, alpha=0.05,
+                                        checkpoint_every=8, audited=[])  # fmt: skip
+        assert logprob.monitored and ("sampler: mean Φ(rank z) off ½" in logprob.bet_names) is testable

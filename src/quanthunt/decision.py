@@ -140,7 +140,8 @@ def sequential_tests(obs: Observations, margin: Margins, *, sampler: bool = True
     cross): in both modes the mean PIT inside ½ ± ``sampler_equivalence``, from each side; in
     logprob mode also the mean |Δ| below its margin (the numbers show the model, the PIT its
     sampler). ``sampler=False`` leaves the sampler's tests out (the generate stage's monitor
-    when sampling at a temperature other than 1, where the PIT is not uniform)."""
+    when generation samples where the PIT cannot be computed: top-p below 1, a temperature
+    above 1)."""
     pit = obs.pit()
     extreme_pit = [1.0 if z > margin.sample_tail_z else 0.0 for z in obs.z]
     low, high = 0.5 - margin.sampler_shift, 0.5 + margin.sampler_shift

@@ -24,6 +24,7 @@ from quanthunt import schemas
 from quanthunt.errors import ConfigError, QuanthuntError
 from quanthunt.jobs import dataset_params_hash
 from quanthunt.ledger import Spend, open_ledger
+from quanthunt.monitor import sampler_testable
 from quanthunt.monitoring import UNLOGGED, monitor_card, suspect_checkpoints
 from quanthunt.params import DatasetFiles, Params, section_digest
 from quanthunt.templates import PromptCheck
@@ -248,29 +249,37 @@ def replaced_card(inputs: Inputs) -> dict[str, Any]:
 
 
 def verified_sampling(params: Params, eligible: Iterable[ProviderVerdict]) -> dict[str, Any]:
-    """What the audit verified of the sampling the dataset was generated with, said plainly.
+    """What the audit and the monitor verified of the sampling the dataset was generated
+    with, said plainly.
 
-    The audit samples the raw distribution (temperature 1, top-p 1: the only setting at
-    which its sampler test can compare sampled tokens with the reference's distribution).
-    Generation at another temperature or top-p is then verified only in what does not
-    depend on them: the weights' precision (logprob mode, and the generate stage's monitor
-    keeps comparing the providers' logprobs); that each provider applies the temperature
-    and top-p as the reference does was not measured, and a sample-mode provider is not
-    monitored at all (its rank test needs the raw distribution)."""
+    The audit samples the raw distribution (temperature 1, top-p 1). Generation at another
+    temperature in (0, 1] with top-p 1 is checked by the generate stage's monitor, whose
+    rank tests read each monitored reply under the tempered distribution
+    (``monitor.sampler_testable``), in both modes. A nucleus cut or a temperature above 1
+    (or the monitor off) leaves only what does not depend on them: the weights' precision
+    (logprob mode, and the monitor keeps comparing the providers' logprobs); that each
+    provider applies the temperature and top-p as the reference does is then not measured,
+    and a sample-mode provider is not monitored at all."""
     probes, sampling = params.verify.probes, params.generate.sampling
     audit = {"temperature": probes.temperature, "top_p": 1.0, "max_tokens": probes.max_tokens}
     generation = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
     differs = [k for k in ("temperature", "top_p") if audit[k] != generation[k]]
-    unmonitored = sorted(v.tag for v in eligible if v.mode == "sample") if differs else []
+    monitored = sampler_testable(sampling) and params.generate.monitor.share > 0
+    unmonitored = sorted(v.tag for v in eligible if v.mode == "sample") if differs and not monitored else []
+    said = f"the audit verified each provider at temperature {probes.temperature:g}, top-p 1 (the raw distribution); " \
+           f"generation samples at temperature {sampling.temperature:g}, top-p {sampling.top_p:g}. "  # fmt: skip
     if not differs:
         note = "generation samples the distribution the audit verified (temperature 1, top-p 1)"
+    elif monitored:
+        note = said + (
+            f"The monitor tests each monitored reply's sampler at temperature {sampling.temperature:g} (its rank under "
+            "the reference's tempered distribution) and, in logprob mode, its logprobs"
+        )
     else:
-        note = (
-            f"the audit verified each provider at temperature {probes.temperature:g}, top-p 1 (the raw distribution); "
-            f"generation samples at temperature {sampling.temperature:g}, top-p {sampling.top_p:g}. Verified: the "
-            "weights' precision (and, in logprob mode, the monitor compares every monitored reply's logprobs). "
-            "Not verified: that each provider applies this temperature and top-p as the reference does"
-            + (f"; not monitored (sample mode needs the raw distribution): {', '.join(unmonitored)}" if unmonitored else "")
+        note = said + (
+            "Verified: the weights' precision (and, in logprob mode, the monitor compares every monitored reply's "
+            "logprobs). Not verified: that each provider applies this temperature and top-p as the reference does"
+            + (f"; not monitored (sample mode): {', '.join(unmonitored)}" if unmonitored else "")
         )
     return {"audit": audit, "generation": generation, "differs": differs, "not_monitored": unmonitored, "note": note}
 

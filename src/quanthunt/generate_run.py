@@ -28,6 +28,8 @@ from quanthunt.interrupts import StopSignals
 from quanthunt.jobs import Eligible, Job, Progress, dataset_params_hash
 from quanthunt.ledger import LedgerWriter, open_ledger
 from quanthunt.ledger_postgres import PostgresLedger
+from quanthunt.measurements import RANK_TOP_K
+from quanthunt.monitor import rank_temperature
 from quanthunt.monitoring import (
     LOGPROB_TOP,
     UNLOGGED,
@@ -208,16 +210,18 @@ async def run(
             if g.monitor.share > 0 and any(m.monitored for m in monitors.values()):
                 await check_reference(reference, verdicts, targets.reference_url)
                 horizon = verdicts.decision_or(params.verify.decision).mixture_detection_tokens
+                # Ranked by the reference's top 20 in both modes: a +0.3 temperature drift at T 0.7 in
+                # logprob mode was stopped after a median 38 monitored replies so (105 by the top 5).
                 scorer = Scorer(reference, params.reasoning, top_logprobs=LOGPROB_TOP, attempts=params.verify.max_attempts,
-                                horizon=horizon)  # fmt: skip
+                                horizon=horizon, temperature=rank_temperature(g.sampling), rank_top=RANK_TOP_K)  # fmt: skip
                 await scorer.check()
                 monitoring = Monitoring(
                     monitors, scorer, writer, verification_run_id=verdicts.verification_run_id or UNLOGGED,
                     dataset=dataset, settings=g.monitor, say=lambda line: console.print(f"[red]{line}[/]"),
                 )  # fmt: skip
             for tag in sorted(t for t, m in monitors.items() if not m.monitored):
-                console.print(f"[yellow]monitor: {tag} is not monitored (sample mode; its rank test needs temperature 1 "
-                              "and top-p 1)[/]")  # fmt: skip
+                console.print(f"[yellow]monitor: {tag} is not monitored (sample mode; its rank test needs top-p 1 and "
+                              "a temperature in (0, 1])[/]")  # fmt: skip
             await reconcile_earlier(ledger, dataset, gateway.generation)
             engine = Engine(job, chat, ledger, writer, sink, done_turns=ledger.done_turns(dataset, params_hash),
                             monitoring=monitoring)  # fmt: skip

@@ -36,7 +36,7 @@ import numpy as np
 
 from quanthunt import sequential
 from quanthunt.decision import Bet, Observations, sequential_tests
-from quanthunt.params import Margins
+from quanthunt.params import Margins, Sampling
 
 MAX_COMPONENTS = 16
 """Change-point components kept per provider; beyond it the one with the least weighted
@@ -53,15 +53,30 @@ CHANGE_SET_RATIO = 1000.0
 """Checkpoints whose component holds at least 1/this of the best one's weighted wealth are
 all taken as where the change may have begun. Measured (``benchmarks/monitor_drift.py``):
 with the best component alone (and one checkpoint back), 8-9 % of 20 % NVFP4 mixtures left
-drifted replies outside the quarantine; at 100, 0.5 %; at 1,000, none in the benchmark's runs,
-for ~50-90 faithful monitored replies quarantined besides."""
+drifted replies outside the quarantine; at 100, 0.5 %; at 1,000, none in the benchmark's runs
+while only the logprob shift tests ran (~50-90 faithful monitored replies quarantined besides).
+Not enough alone once the sampler's tests run at T 0.7 (:data:`DELAYS_BACK`)."""
+
+DELAYS_BACK = 3
+"""How many times the detection's own delay the quarantine reaches back before the change
+set. Where a drift shows slowly (the sampler's tests at T 0.7: +0.3 temperature in logprob
+mode, NVFP4 in sample mode, a median 52-80 monitored replies), the change set alone left
+drifted replies outside the quarantine in up to 8 of 1,000 runs per row; reaching back once
+the delay, in 3 runs of the ~6,000 in those rows; twice, in 1; three times, in none of the
+benchmark's 1,000 runs of any row, for a median of ~50 faithful monitored replies quarantined
+besides a coarse drift, ~105 besides a mixture and 210-295 besides the slow drifts."""
 
 
-def suspect_from(weighted: Mapping[int, float]) -> int:
+def suspect_from(weighted: Mapping[int, float], *, at: int, every: int) -> int:
     """The first suspect checkpoint, from each component's weighted wealth ``w_j K_j`` at the
-    stop: one before the earliest within :data:`CHANGE_SET_RATIO` of the best."""
-    best = max(weighted.values())
-    return max(min(j for j, w in weighted.items() if w * CHANGE_SET_RATIO >= best) - 1, 0)
+    stop (monitored reply ``at``, checkpoints ``every`` replies apart): one before the
+    earliest within :data:`CHANGE_SET_RATIO` of the best, then back :data:`DELAYS_BACK`
+    times the checkpoints the best one took to cross."""
+    top = max(weighted.values())
+    best = max(weighted, key=weighted.__getitem__)
+    first = min(j for j, w in weighted.items() if w * CHANGE_SET_RATIO >= top)
+    took = max(at - best * every, 0) // every + 1
+    return max(first - 1 - DELAYS_BACK * took, 0)
 
 
 @dataclass(frozen=True)
@@ -96,8 +111,8 @@ class ProviderMonitor:
     tag: str
     mode: str
     sampler: bool
-    """Whether the sampler's tests run: only when generation samples the raw distribution
-    (temperature 1, top-p 1), as the rank z needs."""
+    """Whether the sampler's tests run: only where generation samples a distribution the
+    rank statistics are exact under (:func:`sampler_testable`)."""
     margin: Margins
     threshold: float
     checkpoint_every: int
@@ -221,7 +236,8 @@ class ProviderMonitor:
         weighted = {j: weight(j) * self.wealth(j) for j in self.components}
         best = max(weighted, key=weighted.__getitem__)
         test = self.bet_names[int(np.argmax(self.components[best].max(axis=1)))]
-        return Stop(at=index, e_value=e_value, suspect_from=suspect_from(weighted), test=test)
+        suspect = suspect_from(weighted, at=index, every=self.checkpoint_every)
+        return Stop(at=index, e_value=e_value, suspect_from=suspect, test=test)
 
     # -- persistence (the ledger's ``monitors`` table holds this as JSON) ------------------
 
@@ -258,6 +274,21 @@ class ProviderMonitor:
         self.stopped = None if state["stopped"] is None else Stop(**state["stopped"])
         self._pending.clear()
         self._refresh()
+
+
+def sampler_testable(sampling: Sampling) -> bool:
+    """Whether the monitor can test the providers' sampler at generation's settings: at a
+    temperature in (0, 1] with top-p 1, where the rank statistics under the tempered
+    distribution are bounded from the reference's top logprobs
+    (``measurements.tempered_pit_normal_scores``). A nucleus cut or a temperature above 1
+    would need mass the reference does not list."""
+    return 0.0 < sampling.temperature <= 1.0 and sampling.top_p == 1.0
+
+
+def rank_temperature(sampling: Sampling) -> float:
+    """The temperature the monitor's scorer bounds the rank statistics at: generation's where
+    the sampler is testable, else 1 (the statistics then go unused)."""
+    return sampling.temperature if sampler_testable(sampling) else 1.0
 
 
 def suspect_turn(turn: Mapping[str, Any], suspect: Mapping[str, int]) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import GatewayError
 from quanthunt.ledger import Ledger, LedgerWriter, RequestKey, SaveMonitor
-from quanthunt.monitor import Observation, ProviderMonitor, Stop
+from quanthunt.monitor import Observation, ProviderMonitor, Stop, sampler_testable
 from quanthunt.params import Margins, Sampling
 from quanthunt.params import Monitor as MonitorParams
 from quanthunt.reference import Reference
@@ -48,14 +48,14 @@ def monitors_for(
     ``alpha`` is split evenly across the eligible providers and the ``datasets``."""
     eligible = verdicts.eligible()
     alpha = settings.alpha / max(len(eligible) * datasets, 1)
-    raw = sampling.temperature == 1.0 and sampling.top_p == 1.0
+    sampler = sampler_testable(sampling)
     saved = ledger.monitor_states(verdicts.verification_run_id or UNLOGGED)
     out = {}
     for v in eligible:
         shifts: Sequence[float | None] = v.observed.shift if v.mode == "logprob" else [None] * len(v.observed.z)
         pits: Sequence[float | None] = v.observed.pit or [None] * len(v.observed.z)  # a file from before: Φ(z)
         monitor = ProviderMonitor.start(
-            v.tag, v.mode, sampler=raw, margin=margin, alpha=alpha, checkpoint_every=settings.checkpoint_every,
+            v.tag, v.mode, sampler=sampler, margin=margin, alpha=alpha, checkpoint_every=settings.checkpoint_every,
             audited=[Observation(s, z, pit) for s, z, pit in zip(shifts, v.observed.z, pits, strict=True)],
         )  # fmt: skip
         if (dataset, v.tag) in saved:

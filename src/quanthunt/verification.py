@@ -89,13 +89,18 @@ class Scorer:
     the generate stage's monitored replies alike."""
 
     def __init__(self, reference: Reference, reasoning: Reasoning, *, top_logprobs: int, attempts: int,
-                 horizon: int) -> None:  # fmt: skip
+                 horizon: int, temperature: float = 1.0, rank_top: int | None = None) -> None:  # fmt: skip
         self.reference = reference
         self.reasoning = reasoning
         self.top_logprobs = top_logprobs
+        self.rank_top = rank_top or top_logprobs
+        """The reference's top tokens a logprob-mode completion's rank statistics read
+        (``top_logprobs`` unless given; the provider's logprobs are compared at their own depth)."""
         self.attempts = attempts
         self.horizon = horizon
         """The rank statistic's tokens (``measurements.rank``): ``decision.mixture_detection_tokens``."""
+        self.temperature = temperature
+        """The temperature the scored texts were sampled at (``measurements.rank``)."""
 
     async def check(self) -> None:
         """Find the token that ends a turn (``Reference.end_of_turn``) before anything is
@@ -144,12 +149,13 @@ class Scorer:
         if ids is None:
             ids = await self.completion_ids(reply.content, reply.reasoning, reply.finish_reason, errors)
         scored = await with_retries(
-            lambda: self.reference.score(prompt + ids, top_logprobs=self.top_logprobs, names=True),
+            lambda: self.reference.score(prompt + ids, top_logprobs=max(self.top_logprobs, self.rank_top), names=True),
             attempts=self.attempts,
             errors=errors,
         )
-        return compare_logprobs(probe_id, index, reply.logprobs, scored, len(prompt), listed=self.top_logprobs, seq=seq,
-                                horizon=self.horizon, stopped=reply.finish_reason == "stop")  # fmt: skip
+        return compare_logprobs(probe_id, index, reply.logprobs, scored, len(prompt), listed=self.rank_top, seq=seq,
+                                horizon=self.horizon, stopped=reply.finish_reason == "stop",
+                                temperature=self.temperature)  # fmt: skip
 
     async def text(self, prompt: list[int], ids: list[int], errors: Counter[str], *, probe_id: str, index: int,
                    source: str, seq: int) -> SampledText:  # fmt: skip
@@ -161,7 +167,8 @@ class Scorer:
         )
         positions = [p for p in scored.positions[len(prompt) :] if p is not None]
         values = [p.logprob for p in positions]
-        ranks = rank(positions, listed=RANK_TOP_K, seed=f"{probe_id}:{index}:{source}:{ids}", horizon=self.horizon)
+        ranks = rank(positions, listed=RANK_TOP_K, seed=f"{probe_id}:{index}:{source}:{ids}", horizon=self.horizon,
+                     temperature=self.temperature)  # fmt: skip
         mean = statistics.fmean(values) if values else 0.0
         return SampledText(probe_id, index, source, ids, mean, ranks.z, ranks.pit, len(values), seq)
 

@@ -1,7 +1,8 @@
 """The generate stage's monitor on the real model: a provider that drifts to NVFP4 after
 30 % of its requests is stopped, none of the records it served after the drift reaches
-``data/final``, the faithful provider goes on serving; a kill -9 mid-run resumes with the
-monitor's state as it was saved."""
+``data/final``, the faithful provider goes on serving; at the shipped T 0.7, a sample-mode
+provider's drift to NVFP4 and a logprob-mode provider's sampler drifting +0.3 are stopped
+by the sampler's tests; a kill -9 mid-run resumes with the monitor's state as it was saved."""
 
 from __future__ import annotations
 
@@ -50,28 +51,31 @@ class DriftBed:
 def drift_bed(project: Project, tmp_path: Path) -> Iterator[Callable[..., DriftBed]]:
     started: list[SandboxProcess] = []
 
-    def build(*, drift_after: int = DRIFT_AFTER, concurrency: int = 8) -> DriftBed:
+    def build(*, providers: list[dict[str, Any]] | None = None, records: int = RECORDS, max_tokens: int = 24,
+              concurrency: int = 8, params: dict[str, Any] | None = None) -> DriftBed:  # fmt: skip
         alpha = provider("alpha", precision="int4-bf16act")  # faithful, with bf16 compute noise
-        beta = provider("beta", drift=[{"after_requests": drift_after, "precision": "nvfp4"}])
-        roster = {"providers": [alpha, beta], "credits": {"default_usd": 100.0}}
+        beta = provider("beta", drift=[{"after_requests": DRIFT_AFTER, "precision": "nvfp4"}])
+        providers = providers or [alpha, beta]
+        roster = {"providers": providers, "credits": {"default_usd": 100.0}}
         path = tmp_path / "roster.yaml"
         path.write_text(yaml.safe_dump(roster), encoding="utf-8")
         sandbox = SandboxProcess(mode="model", roster=path, log_path=tmp_path / "sandbox.log").start()
         started.append(sandbox)
         # Short answers: most end before max_tokens (validate exports no answer cut there).
-        write_prompts(project.root / "data/prompts/tiny.jsonl", RECORDS, multiturn_every=0,
-                      single="What is {i} plus 1? Answer with the number only.")  # fmt: skip
+        single = "What is {i} plus 1? Answer with the number only." if max_tokens < 32 else "Tell me about the number {i}."
+        write_prompts(project.root / "data/prompts/tiny.jsonl", records, multiturn_every=0, single=single)
         settings: dict[str, Any] = {
             "api.base_url": sandbox.api_url, "reference.base_url": sandbox.reference_url, "datasets": ["tiny"],
-            "generate.max_records": None, "generate.concurrency": concurrency, "generate.sampling.max_tokens": 24,
+            "generate.max_records": None, "generate.concurrency": concurrency, "generate.sampling.max_tokens": max_tokens,
             "generate.monitor.share": 1.0, "generate.progress_interval_s": 1, "validate.max_truncated_share": 1.0,
+            **(params or {}),
         }  # fmt: skip
         for key, value in settings.items():
             project.set_param(key, value)
         done = project.run("survey", "--params", "params.yaml")
         assert done.returncode == 0, done.stderr
         model = yaml.safe_load(project.params_path.read_text())["survey"]["model"]
-        write_verdicts(project.root, [alpha, beta], model)
+        write_verdicts(project.root, providers, model)
         return DriftBed(project, sandbox)
 
     yield build
@@ -126,6 +130,50 @@ def test_a_drifting_provider_is_stopped_and_its_drifted_records_never_exported(d
     assert card["quarantined"]["records"] == 0 and card["replaced"]["by_provider"] == {"beta/int4": quarantined}
     final = [json.loads(line) for line in (bed.project.root / "data/final/tiny.jsonl").read_text().splitlines()]
     assert not {t["generation_id"] for r in final for t in r["provenance"]["turns"]} & drifted
+
+
+SAMPLER_DRIFT_AFTER = 4
+"""beta's and gamma's requests before their drift (their monitors have no audit behind them)."""
+
+
+@pytest.mark.model
+def test_the_sampler_is_monitored_at_the_generations_temperature(drift_bed: Callable[..., DriftBed]) -> None:
+    """At the shipped T 0.7: beta serves without logprobs (sample mode) and drifts to NVFP4,
+    gamma reports exact logprobs while its sampler drifts to T 1.0. Neither drift shows in
+    the numbers a logprob test reads, only in the tempered rank. In this test's setting
+    (``benchmarks/monitor_drift.py --providers 3 --datasets 1 --tokens 32 --audit 0 --drift-at 0``,
+    1,000 runs) beta's drift is stopped a median 43 monitored replies after it, 81 at p99, 112
+    at most; gamma's 30, 53, 67. Alpha costs three times as much, so beta and gamma get most of
+    the 200 records (beta ~130 replies until it stops). Both are stopped by a sampler test,
+    none of their drifted records reaches ``data/final``, and alpha (faithful, with bf16
+    compute noise) goes on."""
+    bed = drift_bed(
+        providers=[
+            provider("alpha", precision="int4-bf16act", pricing={"prompt": "0.000003", "completion": "0.000006"}),
+            provider("beta", supports_logprobs=False, drift=[{"after_requests": SAMPLER_DRIFT_AFTER, "precision": "nvfp4"}]),
+            provider("gamma", drift=[{"after_requests": SAMPLER_DRIFT_AFTER, "temperature_offset": 0.3}]),
+        ],
+        records=200, max_tokens=32, concurrency=16, params={"generate.monitor.max_unscored": 64},
+    )  # fmt: skip
+    done = bed.project.run("generate", "tiny", "--params", "params.yaml", timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "is not monitored" not in done.stdout + done.stderr
+
+    monitor = bed.summary()["monitor"]["providers"]
+    assert monitor["alpha/int4"]["stopped"] is None and monitor["alpha/int4"]["replies"] > 0
+    assert monitor["beta/int4"]["mode"] == "sample" and monitor["gamma/int4"]["mode"] == "logprob"
+    for tag in ("beta/int4", "gamma/int4"):
+        stop = monitor[tag]["stopped"]
+        assert stop is not None, f"{tag} was not stopped after {monitor[tag]['replies']} monitored replies"
+        assert stop["at"] >= SAMPLER_DRIFT_AFTER and stop["test"].startswith("sampler")
+
+    checked = bed.project.run("validate", "tiny", "--params", "params.yaml", timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    drifted = {g for tag in ("beta/int4", "gamma/int4") for g in bed.stats()["drifted_generations"][tag]}
+    final = [json.loads(line) for line in (bed.project.root / "data/final/tiny.jsonl").read_text().splitlines()]
+    exported = {t["generation_id"] for r in final for t in r["provenance"]["turns"]}
+    assert exported and not exported & drifted
+    assert any(t["endpoint_tag"] == "alpha/int4" for r in final for t in r["provenance"]["turns"])
 
 
 def test_kill_9_mid_run_resumes_with_the_monitors_state(generation_bed: Callable[..., GenerationBed]) -> None:
