@@ -194,7 +194,8 @@ def main() -> None:
         f"\nThe generate stage's monitor on each faithful level's provider half: {args.seeds} runs of {args.replies} monitored "
         f"replies after a {AUDIT}-completion audit; alpha {settings.alpha} / ({args.eligible} eligible x {len(params.datasets)} "
         f"datasets) = {alpha:.5f} per provider, checkpoint every {settings.checkpoint_every}. 'shift': the logprob-shift "
-        "tests alone (generation at T != 1, the shipped 0.7); '+sampler': with the rank-z tests (T = 1). Stopped: share of "
+        "tests alone (generation under a nucleus cut or above T 1); '+sampler': with the rank-z tests (the pools' T = 1; "
+        "at the shipped 0.7 the monitor ranks under the tempered distribution: monitor_drift.py). Stopped: share of "
         "runs (Clopper-Pearson 95 % upper end); >= 10: share whose statistic ever reached 10 (at most 0.1 under the null)."
     )
     print(f"{'level':<22}{'margins':<12}{'shift: stopped':>16}{'CP up':>8}{'>= 10':>7}{'+sampler: stopped':>19}{'CP up':>8}"
