@@ -10,9 +10,10 @@ import statistics
 import pytest
 from fixtures.params import SHIPPED, changed
 
-from quanthunt import decision
-from quanthunt.decision import Subject, judge, verdicts
+from quanthunt import decision, sequential
+from quanthunt.decision import MIXTURE_SEARCH_MAX, Subject, TailTest, judge, mixture_needed, mixture_power, verdicts
 from quanthunt.measurements import Audit, LogprobCompletion, SampledText
+from quanthunt.params import Margins
 
 NORMAL = statistics.NormalDist()
 """Simulated completions are as long as the horizon: their pit is Φ(z)."""
@@ -50,8 +51,9 @@ def subject(audit: Audit) -> Subject:
     return Subject(audit.provider, audit.tag, "unknown", "candidate")
 
 
-def outcome(audits: list[Audit]) -> dict[str, decision.State]:
-    return {a.provider: s for a, s in zip(audits, judge([subject(a) for a in audits], audits, MARGIN, POLICY), strict=True)}
+def outcome(audits: list[Audit], *, margin: Margins = MARGIN, family: int | None = None) -> dict[str, decision.State]:
+    judged = judge([subject(a) for a in audits], audits, margin, POLICY, family=family)
+    return {a.provider: s for a, s in zip(audits, judged, strict=True)}
 
 
 def test_logprob_mode_finds_precision_mixtures_and_the_sampler() -> None:
@@ -70,10 +72,30 @@ def test_logprob_mode_finds_precision_mixtures_and_the_sampler() -> None:
     assert "extreme completions" in states["Mixture"].reason
     assert "sampler" in states["Hot"].reason and "sampler" in states["Cold"].reason
     assert states["Faithful"].power >= POLICY.min_power
-    # the power is printed with what it assumes (issue 25 §2): both flag rates, by value
+    # the power is printed with what it assumes (issue 25 §2): the coarse rate, by value, and no faithful flags
     assert (f"caught with probability {states['Faithful'].power:.3f}, assuming coarse completions are flagged at "
-            f"{POLICY.mixture_detection_logprob:.3g} and faithful ones at the margin's {MARGIN.tail_p0:.3g}") in states[
-        "Faithful"].reason  # fmt: skip
+            f"{POLICY.mixture_detection_logprob:.3g} and faithful ones never") in states["Faithful"].reason  # fmt: skip
+
+
+def test_the_mixture_power_credits_no_faithful_flags() -> None:
+    """Issue 25 §2: a faithful completion may be flagged at up to the margin's rate, but no
+    audit measures how rarely, and one that never is leaves the mixture only its coarse
+    share's flags. The power behind ``equivalent`` is computed so: at a calibrated-looking
+    ``tail_p0`` of 0.049 (where crediting it let 7.5-15.5 % of 20 % mixtures through as
+    equivalent, README) it needs more completions than the credited rate would, and a
+    provider audited between the two is not called equivalent."""
+    margin = MARGIN.model_copy(update={"tail_p0": 0.049})
+    tail = TailTest.of("logprob", providers=8, margin=margin, policy=POLICY)
+    assert tail.rate == pytest.approx(POLICY.mixture_share * POLICY.mixture_detection_logprob)
+    needed = mixture_needed("logprob", providers=8, margin=margin, policy=POLICY)
+    credited = sequential.completions_for_e_tail(tail.rate + (1 - POLICY.mixture_share) * tail.p0, p0=tail.p0,
+                                                 threshold=tail.threshold, power=POLICY.min_power, weight=tail.weight,
+                                                 max_n=MIXTURE_SEARCH_MAX)  # fmt: skip
+    assert needed is not None and credited is not None and needed > credited
+    between = (needed + credited) // 2
+    assert mixture_power("logprob", between, providers=8, margin=margin, policy=POLICY)[-1] < POLICY.min_power
+    states = outcome([logprob_audit("Faithful", n=between, scale=1e-6)], margin=margin, family=8)
+    assert states["Faithful"].verdict != "equivalent" and states["Faithful"].power < POLICY.min_power
 
 
 def test_sample_mode_decides_both_ways() -> None:

@@ -194,7 +194,10 @@ class TailTest:
     detected: float
     """The coarse precision's flag rate (``mixture_detection_*``: shipped or calibrated)."""
     rate: float
-    """The mixture's flag rate: ``detected`` on its coarse share, ``p0`` on the rest."""
+    """The mixture's flag rate: ``detected`` on its coarse share and none on the rest. A
+    faithful completion may be flagged at up to ``p0``, but nothing measures how rarely: one
+    that never is makes the mixture's rate, and the power, lowest (issue 25 §2), so its
+    flags are given no credit."""
     threshold: float
     """The wealth the combined e-process must reach in the correction's worst case: Holm's
     first step (and e-BH's smallest rejection) across ``providers`` needs ``m / α``."""
@@ -209,7 +212,7 @@ class TailTest:
             p0, detected = margin.sample_tail_p0, policy.mixture_detection_sample
         share = policy.mixture_share
         components = len(sequential_tests(Observations(mode, [], [], [], 0), margin).difference)
-        return cls(p0, detected, share * detected + (1 - share) * p0, max(providers, 1) / policy.alpha, 1.0 / components)
+        return cls(p0, detected, share * detected, max(providers, 1) / policy.alpha, 1.0 / components)
 
 
 def mixture_power(mode: str, n: int, *, providers: int, margin: Margins, policy: Decision) -> list[float]:
@@ -312,11 +315,11 @@ def judge(
 
 
 def _power_assumes(mode: str, margin: Margins, policy: Decision) -> str:
-    """What the mixture power rests on, said beside it: the coarse part's flag rate (shipped or
-    calibrated: the verdicts' ``calibration`` says which) and the faithful part's, credited at
-    the margin's rate (issue 25 §2: a faithful part that flags less makes the power lower)."""
+    """What the mixture power rests on, said beside it: the coarse part's flag rate (the lower
+    end of its measured interval, shipped or calibrated: the verdicts' ``calibration`` says
+    which), and none for the faithful part (``TailTest.rate``)."""
     t = TailTest.of(mode, providers=1, margin=margin, policy=policy)
-    return f"assuming coarse completions are flagged at {t.detected:.3g} and faithful ones at the margin's {t.p0:.3g}"
+    return f"assuming coarse completions are flagged at {t.detected:.3g} and faithful ones never"
 
 
 def _shown_within(mode: str, margin: Margins) -> str:
