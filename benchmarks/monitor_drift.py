@@ -129,9 +129,11 @@ class Setup:
     every: int
     horizon: int
     """The rank statistics' tokens (``verify.decision.mixture_detection_tokens``)."""
+    sampler: bool = True
+    """Whether the sampler's tests run (``monitor.sampler_testable``)."""
 
     def monitor(self, audited: list[Observation]) -> ProviderMonitor:
-        return ProviderMonitor.start("p", self.mode, sampler=True, margin=self.margin, alpha=self.alpha,
+        return ProviderMonitor.start("p", self.mode, sampler=self.sampler, margin=self.margin, alpha=self.alpha,
                                      checkpoint_every=self.every, audited=audited)  # fmt: skip
 
 

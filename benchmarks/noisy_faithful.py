@@ -43,6 +43,7 @@ from scipy.stats import beta
 from verify_power import OBSERVATIONS_HEADER, Scores, observations, queues_of, sequential
 
 from quanthunt.calibration import Faithful, calibrate, detection
+from quanthunt.measurements import RANK_TOP_K
 from quanthunt.params import Margins, Params, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +91,8 @@ def false_stops(label: str, pool: Pool, margin: Margins, *, sampler: bool, alpha
     of the monitor_drift benchmark's size into component 0, then replies drawn i.i.d. from the
     provider half (monitor_drift.py's vectorised monitor, checked there against ProviderMonitor)."""
     items = [item for group in pool.values() for item in group]
-    setup = Setup(sampler, margin, alpha, every)
-    table = Table.of(items, args.tokens, setup)
+    setup = Setup("logprob", margin, alpha, every, args.tokens, sampler=sampler)
+    table = Table.of(items, args.tokens, setup, temperature=1.0, listed=RANK_TOP_K)  # as the monitor scores
     audits = np.empty((args.seeds, table.factors.shape[1]))
     idx = np.empty((args.seeds, args.replies), dtype=np.int64)
     for run in range(args.seeds):
