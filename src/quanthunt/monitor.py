@@ -63,7 +63,7 @@ set. Where a drift shows slowly (the sampler's tests at T 0.7: +0.3 temperature 
 mode, NVFP4 in sample mode, a median 52-80 monitored replies), the change set alone left
 drifted replies outside the quarantine in up to 8 of 1,000 runs per row; reaching back once
 the delay, in 3 runs of the ~6,000 in those rows; twice, in 1; three times, in none of the
-benchmark's 1,000 runs of any row, for a median of ~50 faithful monitored replies quarantined
+benchmark's 1,000 runs of any row, for a median of ~59 faithful monitored replies quarantined
 besides a coarse drift, ~105 besides a mixture and 210-295 besides the slow drifts."""
 
 
@@ -279,15 +279,15 @@ class ProviderMonitor:
 def sampler_testable(sampling: Sampling) -> bool:
     """Whether the monitor can test the providers' sampler at generation's settings: at a
     temperature in (0, 1] with top-p 1, where the rank statistics under the tempered
-    distribution are bounded from the reference's top logprobs
-    (``measurements.tempered_pit_normal_scores``). A nucleus cut or a temperature above 1
-    would need mass the reference does not list."""
+    distribution are exact from the reference's top logprobs
+    (``measurements.tempered_pit_normal_score``). A nucleus cut or a temperature above 1
+    would need the mass the reference does not list."""
     return 0.0 < sampling.temperature <= 1.0 and sampling.top_p == 1.0
 
 
 def rank_temperature(sampling: Sampling) -> float:
-    """The temperature the monitor's scorer bounds the rank statistics at: generation's where
-    the sampler is testable, else 1 (the statistics then go unused)."""
+    """The temperature the monitor's scorer ranks replies at: generation's where the sampler
+    is testable, else 1 (the rank statistics then go unused)."""
     return sampling.temperature if sampler_testable(sampling) else 1.0
 
 
