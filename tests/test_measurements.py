@@ -262,7 +262,8 @@ def tempered_samples(count: int, *, sampled_at: float, tokens: int, seed: int) -
 
 def test_the_tempered_rank_is_exact_for_a_sampler_at_the_generations_temperature() -> None:
     """The generate stage's monitor ranks replies sampled at T 0.7 by the reference's raw top
-    5, whose tempered normaliser it cannot know (up to ~40 % of the raw mass unlisted here).
+    logprobs (20; here 5, the harder case: up to ~40 % of the raw mass unlisted), whose
+    tempered normaliser it cannot know.
     Ranked within the top, a tail token scoring a draw apart from the text, a sampler at 0.7
     gives mean pit ½ and P(z > 2) = 1 − Φ(2) (measured 0.5006 and 0.0208 over 4,000 texts);
     one at 1.0 (a +0.3 drift) is far above ½ and one at 0.5 far below. At temperature 1 the
