@@ -83,7 +83,7 @@ def replay(
     return out
 
 
-def false_stops(label: str, pool: Pool, margin: Margins, *, sampler: bool, alpha: float, every: int,
+def false_stops(label: str, pool: Pool, margin: Margins, *, sampler: bool, alpha: float, every: int, horizon: int,
                 args: argparse.Namespace) -> tuple[int, float]:  # fmt: skip
     """Runs (of ``--seeds``) whose generate-stage monitor stopped a faithful provider within
     ``--replies`` monitored replies, and the share whose statistic ever reached 10 (Ville: at
@@ -91,7 +91,7 @@ def false_stops(label: str, pool: Pool, margin: Margins, *, sampler: bool, alpha
     of the monitor_drift benchmark's size into component 0, then replies drawn i.i.d. from the
     provider half (monitor_drift.py's vectorised monitor, checked there against ProviderMonitor)."""
     items = [item for group in pool.values() for item in group]
-    setup = Setup("logprob", margin, alpha, every, args.tokens, sampler=sampler)
+    setup = Setup("logprob", margin, alpha, every, horizon, sampler=sampler)
     table = Table.of(items, args.tokens, setup, temperature=1.0, listed=RANK_TOP_K)  # as the monitor scores
     audits = np.empty((args.seeds, table.factors.shape[1]))
     idx = np.empty((args.seeds, args.replies), dtype=np.int64)
@@ -206,7 +206,8 @@ def main() -> None:
             cells = ""
             for sampler in (False, True):
                 stopped, ten = false_stops(f"{level}:{label}:{sampler}", pools[level], margin, sampler=sampler, alpha=alpha,
-                                           every=settings.checkpoint_every, args=args)  # fmt: skip
+                                           every=settings.checkpoint_every,
+                                           horizon=params.verify.decision.mixture_detection_tokens, args=args)  # fmt: skip
                 upper = float(beta.ppf(0.975, stopped + 1, args.seeds - stopped))
                 cells += f"{stopped / args.seeds:>{16 if not sampler else 19}.3f}{upper:>8.3f}{ten:>7.3f}"
             print(f"{level:<22}{label:<12}{cells}")

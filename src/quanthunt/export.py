@@ -266,8 +266,10 @@ def verified_sampling(params: Params, eligible: Iterable[ProviderVerdict]) -> di
     differs = [k for k in ("temperature", "top_p") if audit[k] != generation[k]]
     monitored = sampler_testable(sampling) and params.generate.monitor.share > 0
     unmonitored = sorted(v.tag for v in eligible if v.mode == "sample") if differs and not monitored else []
-    said = f"the audit verified each provider at temperature {probes.temperature:g}, top-p 1 (the raw distribution); " \
-           f"generation samples at temperature {sampling.temperature:g}, top-p {sampling.top_p:g}. "  # fmt: skip
+    said = (
+        f"the audit verified each provider at temperature {probes.temperature:g}, top-p 1 (the raw distribution); "
+        f"generation samples at temperature {sampling.temperature:g}, top-p {sampling.top_p:g}. "
+    )
     if not differs:
         note = "generation samples the distribution the audit verified (temperature 1, top-p 1)"
     elif monitored:

@@ -183,9 +183,9 @@ def tempered_pit_normal_score(position: Position, *, listed: int, u: float, temp
     top = sorted([own, *position.outranked_by()], reverse=True)[:listed]
     top.remove(own)
     above = math.fsum(math.exp(power * (v - own)) for v in top if v > own)
-    ties = math.fsum(1.0 for v in top if v == own)
+    ties = top.count(own)
     mass = math.fsum(math.exp(power * (v - own)) for v in top) + 1.0  # the top's tempered mass, in units of the token's
-    return _normal_score((above + u * (1.0 + ties)) / mass)
+    return _normal_score((above + u * (1 + ties)) / mass)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ def drift_bed(project: Project, tmp_path: Path) -> Iterator[Callable[..., DriftB
     started: list[SandboxProcess] = []
 
     def build(*, providers: list[dict[str, Any]] | None = None, records: int = RECORDS, max_tokens: int = 24,
-              concurrency: int = 8, params: dict[str, Any] | None = None) -> DriftBed:  # fmt: skip
+              prompt: str = "What is {i} plus 1? Answer with the number only.", concurrency: int = 8,
+              params: dict[str, Any] | None = None) -> DriftBed:  # fmt: skip
         alpha = provider("alpha", precision="int4-bf16act")  # faithful, with bf16 compute noise
         beta = provider("beta", drift=[{"after_requests": DRIFT_AFTER, "precision": "nvfp4"}])
         providers = providers or [alpha, beta]
@@ -62,8 +63,7 @@ def drift_bed(project: Project, tmp_path: Path) -> Iterator[Callable[..., DriftB
         sandbox = SandboxProcess(mode="model", roster=path, log_path=tmp_path / "sandbox.log").start()
         started.append(sandbox)
         # Short answers: most end before max_tokens (validate exports no answer cut there).
-        single = "What is {i} plus 1? Answer with the number only." if max_tokens < 32 else "Tell me about the number {i}."
-        write_prompts(project.root / "data/prompts/tiny.jsonl", records, multiturn_every=0, single=single)
+        write_prompts(project.root / "data/prompts/tiny.jsonl", records, multiturn_every=0, single=prompt)
         settings: dict[str, Any] = {
             "api.base_url": sandbox.api_url, "reference.base_url": sandbox.reference_url, "datasets": ["tiny"],
             "generate.max_records": None, "generate.concurrency": concurrency, "generate.sampling.max_tokens": max_tokens,
@@ -153,7 +153,8 @@ def test_the_sampler_is_monitored_at_the_generations_temperature(drift_bed: Call
             provider("beta", supports_logprobs=False, drift=[{"after_requests": SAMPLER_DRIFT_AFTER, "precision": "nvfp4"}]),
             provider("gamma", drift=[{"after_requests": SAMPLER_DRIFT_AFTER, "temperature_offset": 0.3}]),
         ],
-        records=200, max_tokens=32, concurrency=16, params={"generate.monitor.max_unscored": 64},
+        records=200, max_tokens=32, prompt="Tell me about the number {i}.", concurrency=16,
+        params={"generate.monitor.max_unscored": 64},
     )  # fmt: skip
     done = bed.project.run("generate", "tiny", "--params", "params.yaml", timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
