@@ -9,7 +9,13 @@ import statistics
 
 import pytest
 
-from quanthunt.measurements import compare_logprobs, pit_normal_score, rank, tempered_pit_normal_score
+from quanthunt.measurements import (
+    compare_logprobs,
+    pit_normal_score,
+    rank,
+    tempered_logprob_bounds,
+    tempered_pit_normal_score,
+)
 from quanthunt.reference import Position, Scored
 from quanthunt.replies import TokenLogprob
 
@@ -288,3 +294,80 @@ def test_the_tempered_rank_is_exact_for_a_sampler_at_the_generations_temperature
     assert pit_normal_score(tail, listed=5, u=0.3) > drawn  # at T 1 the tail is ranked, after the listed mass
     with pytest.raises(ValueError, match="temperature"):
         rank(text, listed=5, seed="t", horizon=16, temperature=1.3)
+
+
+def _distribution(rng: random.Random, vocab: int) -> list[float]:
+    """Log-probabilities of a vocabulary with a heavy head and a long tail, as a model's."""
+    logits = [rng.gauss(0.0, 1.0) * 3.0 for _ in range(vocab)]
+    top = max(logits)
+    total = math.log(math.fsum(math.exp(v - top) for v in logits)) + top
+    return [v - total for v in logits]
+
+
+def _tempered(logp: list[float], temperature: float) -> list[float]:
+    scaled = [v / temperature for v in logp]
+    top = max(scaled)
+    total = math.log(math.fsum(math.exp(v - top) for v in scaled)) + top
+    return [v - total for v in scaled]
+
+
+def _step(logp: list[float], chosen: int, listed: int, reported: list[float]) -> tuple[Position, TokenLogprob]:
+    """The reference's position (its raw top ``listed``) and a provider's token whose
+    logprobs are ``reported`` (raw or after temperature), top 5, tokens named t0, t1, ..."""
+    names = {i: f"t{i}" for i in range(len(logp))}
+    order = sorted(range(len(logp)), key=lambda i: -logp[i])
+    top = {names[i]: logp[i] for i in order[:listed]} | {names[chosen]: logp[chosen]}
+    shown = {names[i]: reported[i] for i in sorted(range(len(logp)), key=lambda i: -reported[i])[:5]}
+    return position(chosen, logp[chosen], top, names), token(names[chosen], reported[chosen], shown)
+
+
+def test_tempered_logprob_bounds_hold_the_true_value_and_close_on_a_full_list() -> None:
+    rng = random.Random(7)
+    widths = []
+    for _ in range(300):
+        logp = _distribution(rng, 200)
+        temperature = rng.choice([0.3, 0.5, 0.7, 0.9])
+        chosen = rng.randrange(200)
+        at, _ = _step(logp, chosen, 20, logp)
+        low, high = tempered_logprob_bounds(at, temperature)
+        truth = _tempered(logp, temperature)[chosen]
+        assert low - 1e-9 <= truth <= high + 1e-9
+        widths.append(high - low)
+        whole, _ = _step(logp, chosen, 200, logp)
+        assert tempered_logprob_bounds(whole, temperature) == pytest.approx((truth, truth), abs=1e-9)
+    assert statistics.median(widths) < 0.05  # the top 20 hold most of a tempered distribution
+    with pytest.raises(ValueError, match="temperature in"):
+        tempered_logprob_bounds(at, 1.0)
+
+
+def test_logprobs_after_temperature_are_read_as_such_and_a_faithful_provider_shows_no_delta() -> None:
+    """A provider that reports its logprobs after temperature (vLLM ``processed_logprobs``)
+    at T 0.7, read as raw, shows a mean |Δ| far above the 0.08 margin although it samples
+    the reference's own distribution; read as processed (its gaps' slope 1/T), its Δs
+    vanish. A raw provider stays raw, and a coarse one (its logits perturbed) shows in
+    either reading."""
+    rng = random.Random(11)
+    temperature = 0.7
+    results: dict[str, list[float]] = {"raw": [], "processed": [], "unread": [], "coarse": []}
+    conventions: dict[str, set[str]] = {key: set() for key in results}
+    for text in range(40):
+        steps = {key: [] for key in results}
+        for _ in range(16):
+            logp = _distribution(rng, 200)
+            chosen = rng.choices(range(200), weights=[math.exp(v) for v in _tempered(logp, temperature)])[0]
+            noisy = _tempered([v + rng.gauss(0.0, 0.6) for v in logp], temperature)
+            steps["raw"].append(_step(logp, chosen, 20, logp))
+            steps["processed"].append(_step(logp, chosen, 20, _tempered(logp, temperature)))
+            steps["unread"].append(steps["processed"][-1])
+            steps["coarse"].append(_step(logp, chosen, 20, noisy))
+        for key, pairs in steps.items():
+            scored = Scored([0, *(p.token_id for p, _ in pairs)], [None, *(p for p, _ in pairs)])
+            read_at = None if key == "unread" else temperature
+            paired = compare_logprobs("p", text, [t for _, t in pairs], scored, prompt_len=1, listed=20, horizon=16,
+                                      temperature=temperature, processed_at=read_at)  # fmt: skip
+            results[key].append(paired.mean_abs_delta)
+            conventions[key].add(paired.convention)
+    assert conventions["raw"] == {"raw"} and conventions["processed"] == {"processed"} and conventions["unread"] == {"raw"}
+    assert max(results["raw"]) < 1e-9 and max(results["processed"]) < 1e-9
+    assert statistics.fmean(results["unread"]) > 0.2  # the false alarm this reading prevents
+    assert statistics.fmean(results["coarse"]) > 0.2

@@ -29,7 +29,7 @@ from quanthunt.jobs import Eligible, Job, Progress, dataset_params_hash
 from quanthunt.ledger import LedgerWriter, open_ledger
 from quanthunt.ledger_postgres import PostgresLedger
 from quanthunt.measurements import RANK_TOP_K
-from quanthunt.monitor import rank_temperature
+from quanthunt.monitor import processed_at, rank_temperature
 from quanthunt.monitoring import (
     LOGPROB_TOP,
     UNLOGGED,
@@ -213,7 +213,8 @@ async def run(
                 # Ranked by the reference's top 20 in both modes: a +0.3 temperature drift at T 0.7 in
                 # logprob mode was stopped after a median 38 monitored replies so (105 by the top 5).
                 scorer = Scorer(reference, params.reasoning, top_logprobs=LOGPROB_TOP, attempts=params.verify.max_attempts,
-                                horizon=horizon, temperature=rank_temperature(g.sampling), rank_top=RANK_TOP_K)  # fmt: skip
+                                horizon=horizon, temperature=rank_temperature(g.sampling), rank_top=RANK_TOP_K,
+                                processed_at=processed_at(g.sampling))  # fmt: skip
                 await scorer.check()
                 monitoring = Monitoring(
                     monitors, scorer, writer, verification_run_id=verdicts.verification_run_id or UNLOGGED,

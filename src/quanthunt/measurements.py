@@ -59,6 +59,11 @@ class LogprobCompletion:
     seq: int = 0
     """Position in the audit plan (probe order × completions + index): observations are
     tested in this order, so a later round never reorders an earlier one."""
+    convention: str = "raw"
+    """How the provider's logprobs were read (``compare_logprobs``): ``raw``, the model's
+    distribution before the sampler, or ``processed``, after temperature."""
+    slope: float | None = None
+    """``logprob_slope`` of the paired positions (None: no alternative listed on both sides)."""
 
     @property
     def mean_abs_delta(self) -> float:
@@ -226,6 +231,59 @@ def rank(positions: Sequence[Position], *, listed: int, seed: str, horizon: int,
     return Rank((total + padding) / math.sqrt(horizon), pit)
 
 
+LOGPROB_CONVENTIONS = ("raw", "processed")
+"""What a provider's logprobs are of: ``raw``, the model's distribution before the sampler
+(vLLM's default ``--logprobs-mode raw_logprobs``, and the reference's echo always), or
+``processed``, after temperature (``processed_logprobs``; some stacks always). At T 1 and
+top-p 1 the two are the same numbers."""
+
+
+def logprob_slope(provider_gaps: Sequence[float], reference_gaps: Sequence[float]) -> float | None:
+    """The least-squares slope through the origin of the provider's within-position logprob
+    gaps (an alternative's logprob minus the sampled token's, at the same position) on the
+    reference's gaps for the same tokens: 1 for raw logprobs, ``1/T`` for logprobs after
+    temperature ``T`` (the normaliser cancels in a gap, so no unlisted mass enters). None
+    without a gap."""
+    scale = math.fsum(r * r for r in reference_gaps)
+    if scale == 0.0:
+        return None
+    return math.fsum(p * r for p, r in zip(provider_gaps, reference_gaps, strict=True)) / scale
+
+
+def reads_processed(slope: float | None, temperature: float | None) -> bool:
+    """Whether logprobs whose ``logprob_slope`` is ``slope`` are after temperature: nearer
+    ``1/T`` than 1 on a log scale (at T 0.7 the two are 1 and 1.43, the boundary 1.20). Only
+    for 0 < T < 1 (``processed_at``)."""
+    return slope is not None and temperature is not None and slope > temperature**-0.5
+
+
+def tempered_logprob_bounds(position: Position, temperature: float) -> tuple[float, float]:
+    """Bounds on the reference's logprob of its scored token after temperature ``T`` in
+    (0, 1): ``log p^(1/T) − log Z`` with ``Z = Σ p_v^(1/T)`` over the whole vocabulary. The
+    listed tokens give ``Z``'s lower end; each unlisted token is no likelier than the least
+    likely listed alternative (``b``) and they hold the raw mass ``M`` left over, so their
+    tempered mass is at most ``M · b^(1/T − 1)``, the upper end. Exact when the list
+    holds all the mass."""
+    if not 0.0 < temperature < 1.0:
+        raise ValueError(f"tempered logprobs need a temperature in (0, 1), got {temperature}")
+    power = 1.0 / temperature
+    listed = [position.logprob, *position.outranked_by()]
+    log_listed = float(np.logaddexp.reduce(np.array(listed) * power))
+    unlisted = max(0.0, 1.0 - math.fsum(math.exp(v) for v in listed))
+    others = position.outranked_by()
+    if unlisted == 0.0:
+        log_all = log_listed
+    else:
+        least = min(others) if others else 0.0
+        log_all = float(np.logaddexp(log_listed, math.log(unlisted) + (power - 1.0) * least))
+    own = power * position.logprob
+    return own - log_all, own - log_listed
+
+
+def _nearest_zero(low: float, high: float) -> float:
+    return low if low > 0.0 else high if high < 0.0 else 0.0
+
+
 def names_pair(provider: str, reference: str) -> bool:
     """Whether a provider's token and the reference's re-tokenization may be the same token
     at a position: the same decoded text, or a partial UTF-8 piece on either side (its text
@@ -245,6 +303,7 @@ def compare_logprobs(
     horizon: int,
     stopped: bool = False,
     temperature: float = 1.0,
+    processed_at: float | None = None,
     seq: int = 0,
 ) -> LogprobCompletion:
     """Pair the provider's tokens with the reference's teacher-forced scores, position by
@@ -261,44 +320,77 @@ def compare_logprobs(
 
     ``scored`` ends with the stop token where the reply ``stopped``; vLLM lists it last among
     the provider's tokens and it pairs like any other. A provider that leaves it out still
-    sampled it: its rank z scores it after a pairing that reached the end."""
-    deltas: list[float] = []
-    kls: list[float] = []
-    agree: list[bool] = []
+    sampled it: its rank z scores it after a pairing that reached the end.
+
+    ``processed_at``: the temperature in (0, 1) the reply was sampled at with top-p 1, where
+    a provider may report its logprobs after temperature (``LOGPROB_CONVENTIONS``; the
+    reference's are raw). The reply is read in the convention its ``logprob_slope`` points
+    to; read as processed, each Δ is taken against the reference's tempered logprob at the
+    end of its bounds (``tempered_logprob_bounds``) nearest the provider's, so it is never
+    larger than the true Δ: a faithful provider is not made to look coarse by the unlisted
+    mass. ``temperature`` is the one the rank statistics read (``rank``)."""
     paired: list[Position] = []
+    pairs: list[tuple[float, Position, dict[str, float], int]] = []  # provider logprob, position, provider top, depth
+    gaps: list[tuple[float, float]] = []  # (provider, reference) logprob gaps of an alternative to the sampled token
+    gaps_after: list[int] = []  # len(gaps) after each pair
     said = heard = ""  # the text the provider's and the reference's tokens have named so far
     synced = 0  # pairs up to the last position both sides named whole, with the same text
     for token, position in zip(provider, scored.positions[prompt_len:], strict=False):
         names = position.names if position is not None else None
         if position is None or names is None or not names_pair(token.token, names[position.key]):
             break
-        said += canonical_name(token.token)
-        heard += canonical_name(names[position.key])
-        if PARTIAL not in (canonical_name(token.token), canonical_name(names[position.key])):
+        own, heard_own = canonical_name(token.token), canonical_name(names[position.key])
+        said += own
+        heard += heard_own
+        if PARTIAL not in (own, heard_own):
             if said != heard:  # a piece paired with a whole token: the tokenizations parted before here
                 break
-            synced = len(deltas) + 1
-        deltas.append(token.logprob - position.logprob)
+            synced = len(pairs) + 1
         paired.append(position)
         shown = [(t.token, t.logprob) for t in token.top_logprobs]
         sampled = (token.token, token.logprob)
         alternatives = [t for t in shown if t != sampled] if sampled in shown else shown[: max(len(shown) - 1, 0)]
         provider_top = merge_by_name([sampled, *alternatives])
-        depth = len(alternatives)
+        pairs.append((token.logprob, position, provider_top, len(alternatives)))
+        if PARTIAL not in (own, heard_own):
+            reference_all = merge_by_name([(names[k], v) for k, v in position.others()])
+            for name, value in provider_top.items():
+                if name not in (own, PARTIAL) and name in reference_all:
+                    gaps.append((value - provider_top[own], reference_all[name] - position.logprob))
+        gaps_after.append(len(gaps))
+    if said != heard or len(pairs) > synced:  # pieces at the end that never came back in step
+        del pairs[synced:], paired[synced:], gaps[gaps_after[synced - 1] if synced else 0 :]
+    slope = logprob_slope([g[0] for g in gaps], [g[1] for g in gaps])
+    processed = reads_processed(slope, processed_at) if 0.0 < (processed_at or 0.0) < 1.0 else False
+    deltas: list[float] = []
+    kls: list[float] = []
+    agree: list[bool] = []
+    for logprob, position, provider_top, depth in pairs:
+        names = position.names
+        assert names is not None
+        shift = 0.0  # log of the tempered normaliser, less the raw one's (0)
+        power = 1.0
+        if processed and processed_at is not None:
+            low, high = tempered_logprob_bounds(position, processed_at)
+            deltas.append(_nearest_zero(logprob - high, logprob - low))
+            power = 1.0 / processed_at
+            shift = power * position.logprob - min(max(logprob, low), high)
+        else:
+            deltas.append(logprob - position.logprob)
         reference_top = merge_by_name(
-            [(names[position.key], position.logprob), *((names[k], v) for k, v in position.others()[:depth])]
-        )
+            [(names[position.key], power * position.logprob - shift),
+             *((names[k], power * v - shift) for k, v in position.others()[:depth])]
+        )  # fmt: skip
         kls.append(distances.kl_topk_with_tail(reference_top, provider_top))
         agree.append(max(provider_top, key=provider_top.__getitem__) == max(reference_top, key=reference_top.__getitem__))
-    if said != heard or len(deltas) > synced:  # pieces at the end that never came back in step
-        del deltas[synced:], kls[synced:], agree[synced:], paired[synced:]
     ranked = paired
     rest = scored.positions[prompt_len + len(paired) :]
     if stopped and len(paired) == len(provider) and len(rest) == 1 and rest[0] is not None:
         ranked = [*paired, rest[0]]
     ranks = rank(ranked, listed=listed, seed=f"{probe_id}:{index}:provider:{[p.token_id for p in ranked]}", horizon=horizon,
                  temperature=temperature)  # fmt: skip
-    return LogprobCompletion(probe_id, index, len(provider), len(deltas), deltas, kls, agree, ranks.z, ranks.pit, seq)
+    return LogprobCompletion(probe_id, index, len(provider), len(deltas), deltas, kls, agree, ranks.z, ranks.pit, seq,
+                             "processed" if processed else "raw", slope)  # fmt: skip
 
 
 def accounted(verdict: ProviderVerdict, audit: Audit) -> ProviderVerdict:

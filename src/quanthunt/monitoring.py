@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +130,8 @@ class Monitoring:
         self.counts: Counter[str] = Counter()
         """monitored, scored, unscored and ``unscored.<why>``."""
         self.events: list[Event] = []
+        self.conventions: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        """Per provider, its scored replies by how their logprobs read (``LOGPROB_CONVENTIONS``)."""
         self._gate = asyncio.Semaphore(settings.concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
         self._saved_points = {tag: len(m.path) for tag, m in self.monitors.items()}
@@ -205,6 +207,7 @@ class Monitoring:
             if not completion.deltas:
                 errors["unpaired_tokens"] += 1
                 return None
+            self.conventions[monitor.tag][completion.convention] += 1
             return Observation(completion.mean_abs_delta, completion.rank_z, completion.rank_pit)
         ids = await self.scorer.completion_ids(reply.content, reply.reasoning, reply.finish_reason, errors)
         text = await self.scorer.text(prompt, ids, errors, probe_id=label, index=0, source="provider", seq=0)
@@ -227,7 +230,8 @@ class Monitoring:
         for tag, m in self.monitors.items():
             stopped = None if m.stopped is None else m.stopped.__dict__
             providers[tag] = {"mode": m.mode, "monitored": m.monitored, "replies": m.served, "e_value": round(m.e_value, 6),
-                              "threshold": round(m.threshold, 3), "checkpoint": m.checkpoint, "stopped": stopped}  # fmt: skip
+                              "threshold": round(m.threshold, 3), "checkpoint": m.checkpoint, "stopped": stopped,
+                              "logprobs_read_as": dict(self.conventions[tag])}  # fmt: skip
         return {"enabled": True, "counts": dict(self.counts), "providers": providers}
 
     async def close(self) -> None:

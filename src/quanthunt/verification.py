@@ -89,7 +89,8 @@ class Scorer:
     the generate stage's monitored replies alike."""
 
     def __init__(self, reference: Reference, reasoning: Reasoning, *, top_logprobs: int, attempts: int,
-                 horizon: int, temperature: float = 1.0, rank_top: int | None = None) -> None:  # fmt: skip
+                 horizon: int, temperature: float = 1.0, rank_top: int | None = None,
+                 processed_at: float | None = None) -> None:  # fmt: skip
         self.reference = reference
         self.reasoning = reasoning
         self.top_logprobs = top_logprobs
@@ -101,6 +102,9 @@ class Scorer:
         """The rank statistic's tokens (``measurements.rank``): ``decision.mixture_detection_tokens``."""
         self.temperature = temperature
         """The temperature the scored texts were sampled at (``measurements.rank``)."""
+        self.processed_at = processed_at
+        """Where a reply's logprobs may be after temperature (``compare_logprobs``): the
+        temperature it was sampled at, in (0, 1) with top-p 1; None: read as raw."""
 
     async def check(self) -> None:
         """Find the token that ends a turn (``Reference.end_of_turn``) before anything is
@@ -155,7 +159,7 @@ class Scorer:
         )
         return compare_logprobs(probe_id, index, reply.logprobs, scored, len(prompt), listed=self.rank_top, seq=seq,
                                 horizon=self.horizon, stopped=reply.finish_reason == "stop",
-                                temperature=self.temperature)  # fmt: skip
+                                temperature=self.temperature, processed_at=self.processed_at)  # fmt: skip
 
     async def text(self, prompt: list[int], ids: list[int], errors: Counter[str], *, probe_id: str, index: int,
                    source: str, seq: int) -> SampledText:  # fmt: skip

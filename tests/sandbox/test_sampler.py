@@ -13,7 +13,18 @@ import torch
 from quanthunt.sandbox.decoder import Decoder
 from quanthunt.sandbox.engine import SamplingRequest
 from quanthunt.sandbox.model import load_reference
-from quanthunt.sandbox.sampler import PREFIX_BLOCK, Lane, Sample, Sampler, ScoreCache, TokenLogprob, score_batch
+from quanthunt.sandbox.sampler import (
+    PREFIX_BLOCK,
+    PROCESSED_FLOOR,
+    Lane,
+    Sample,
+    Sampler,
+    ScoreCache,
+    TokenLogprob,
+    draw,
+    reported_logprobs,
+    score_batch,
+)
 
 pytestmark = pytest.mark.model
 
@@ -155,3 +166,28 @@ def test_the_score_cache_keeps_to_its_budget_and_forgets_the_least_recently_used
         assert cache.cached_length(sequences[0], 3) == 0  # its first blocks went first
         again = score_batch(decoder, [(sequences[0], 3)], cache)[0]
     _assert_same_scores(again, whole, 1e-4)
+
+
+def test_processed_logprobs_are_the_distribution_each_token_was_drawn_from() -> None:
+    """vLLM's ``--logprobs-mode processed_logprobs``: after temperature and the top-p
+    nucleus (renormalised, a cut token at -9999), the same as raw at T 1 and top-p 1."""
+    logits = torch.randn((4, 300), generator=torch.Generator().manual_seed(3)) * 4
+    raw = torch.log_softmax(logits, dim=-1)
+    requests = [
+        SamplingRequest((1,), 8, temperature=0.7, seed=0),
+        SamplingRequest((1,), 8, temperature=1.0, seed=1, processed_logprobs=True),
+        SamplingRequest((1,), 8, temperature=0.7, seed=2, processed_logprobs=True),
+        SamplingRequest((1,), 8, temperature=0.7, top_p=0.6, seed=3, processed_logprobs=True),
+    ]
+    reported = reported_logprobs(logits, requests)
+    assert torch.equal(reported[0], raw[0])
+    assert torch.allclose(reported[1], raw[1], atol=1e-6)
+    assert torch.allclose(reported[2], torch.log_softmax(logits[2] / 0.7, dim=-1), atol=1e-6)
+    kept = reported[3] > PROCESSED_FLOOR
+    assert 1 < int(kept.sum()) < 300 and float(reported[3].min()) == PROCESSED_FLOOR
+    assert float(torch.logsumexp(reported[3][kept], dim=-1)) == pytest.approx(0.0, abs=1e-5)
+    nucleus_mass = float(torch.softmax(logits[3] / 0.7, dim=-1)[kept].sum())
+    assert nucleus_mass >= 0.6 and nucleus_mass - float(torch.softmax(logits[3] / 0.7, dim=-1)[kept].min()) < 0.6
+    for seed in range(200):  # every token the nucleus sampler draws is one the reported logprobs keep
+        generators = [torch.Generator().manual_seed(seed) for _ in requests]
+        assert bool(kept[draw(logits, requests, generators)[3]])

@@ -2,7 +2,8 @@
 30 % of its requests is stopped, none of the records it served after the drift reaches
 ``data/final``, the faithful provider goes on serving; at the shipped T 0.7, a sample-mode
 provider's drift to NVFP4 and a logprob-mode provider's sampler drifting +0.3 are stopped
-by the sampler's tests; a kill -9 mid-run resumes with the monitor's state as it was saved."""
+by the sampler's tests, and a faithful one that reports logprobs after temperature is not;
+a kill -9 mid-run resumes with the monitor's state as it was saved."""
 
 from __future__ import annotations
 
@@ -140,16 +141,18 @@ SAMPLER_DRIFT_AFTER = 4
 def test_the_sampler_is_monitored_at_the_generations_temperature(drift_bed: Callable[..., DriftBed]) -> None:
     """At the shipped T 0.7: beta serves without logprobs (sample mode) and drifts to NVFP4,
     gamma reports exact logprobs while its sampler drifts to T 1.0. Neither drift shows in
-    the numbers a logprob test reads, only in the tempered rank. In this test's setting
+    the numbers a logprob test reads, only in the tempered rank. Alpha reports its logprobs
+    after temperature, as vLLM's ``--logprobs-mode processed_logprobs`` does. In this test's setting
     (``benchmarks/monitor_drift.py --providers 3 --datasets 1 --tokens 32 --audit 0 --drift-at 0``,
     1,000 runs) beta's drift is stopped a median 43 monitored replies after it, 81 at p99, 112
     at most; gamma's 30, 53, 67. Alpha costs three times as much, so beta and gamma get most of
     the 200 records (beta ~130 replies until it stops). Both are stopped by a sampler test,
     none of their drifted records reaches ``data/final``, and alpha (faithful, with bf16
-    compute noise) goes on."""
+    compute noise) goes on, every reply's logprobs read as after temperature."""
     bed = drift_bed(
         providers=[
-            provider("alpha", precision="int4-bf16act", pricing={"prompt": "0.000003", "completion": "0.000006"}),
+            provider("alpha", precision="int4-bf16act", logprobs_mode="processed_logprobs",
+                     pricing={"prompt": "0.000003", "completion": "0.000006"}),
             provider("beta", supports_logprobs=False, drift=[{"after_requests": SAMPLER_DRIFT_AFTER, "precision": "nvfp4"}]),
             provider("gamma", drift=[{"after_requests": SAMPLER_DRIFT_AFTER, "temperature_offset": 0.3}]),
         ],
@@ -162,6 +165,10 @@ def test_the_sampler_is_monitored_at_the_generations_temperature(drift_bed: Call
 
     monitor = bed.summary()["monitor"]["providers"]
     assert monitor["alpha/int4"]["stopped"] is None and monitor["alpha/int4"]["replies"] > 0
+    # alpha reports its logprobs after temperature (vLLM processed_logprobs): read so, every
+    # reply; read as raw, alpha was stopped at its third monitored reply (extreme completions).
+    assert monitor["alpha/int4"]["logprobs_read_as"] == {"processed": monitor["alpha/int4"]["replies"]}
+    assert set(monitor["gamma/int4"]["logprobs_read_as"]) == {"raw"}
     assert monitor["beta/int4"]["mode"] == "sample" and monitor["gamma/int4"]["mode"] == "logprob"
     for tag in ("beta/int4", "gamma/int4"):
         stop = monitor[tag]["stopped"]

@@ -380,6 +380,7 @@ class Sandbox:
             seed=params.seed if params.seed is not None else self.rng.getrandbits(63),
             top_logprobs=params.top_logprobs if provider.supports_logprobs else 0,
             stop=params.stop,
+            processed_logprobs=provider.logprobs_mode == "processed_logprobs",
         )
         if fault == "finish_error":
             completion = Completion(text="", tokens=[], finish_reason="error", prompt_tokens=len(prompt_ids))

@@ -34,6 +34,9 @@ class SamplingRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     """Keep sampling past the end-of-sequence token (vLLM's ``ignore_eos``: benchmarks)."""
+    processed_logprobs: bool = False
+    """Report logprobs after temperature and top-p, as vLLM's ``--logprobs-mode
+    processed_logprobs`` does (else the model's raw distribution, vLLM's default)."""
 
 
 @dataclass(frozen=True)

@@ -250,6 +250,9 @@ class Provider(_Strict):
     context_length: int = Field(default=8192, ge=16)
     max_completion_tokens: int | None = Field(default=4096, ge=1)
     supports_logprobs: bool = True
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """What its logprobs are of, as vLLM's ``--logprobs-mode`` names it: the model's raw
+    distribution, or the one sampled from, after temperature and top-p (``processed_logprobs``)."""
     collects_data: bool = False
     """Whether the provider may train on prompts (``provider.data_collection: deny`` skips it)."""
     latency_ms: float = Field(default=300.0, ge=0)

@@ -77,6 +77,32 @@ def draw(logits: torch.Tensor, requests: Sequence[SamplingRequest], generators: 
     return tokens
 
 
+PROCESSED_FLOOR = -9999.0
+"""vLLM's floor for a reported logprob: a token the nucleus cut (``-inf``) is listed with it."""
+
+
+def reported_logprobs(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    """The logprobs a reply reports for each row of ``logits`` [rows, vocab]: the model's raw
+    ``log_softmax``, or for a request with ``processed_logprobs`` (and a temperature above 0)
+    the distribution it was sampled from, after temperature and the top-p nucleus
+    (renormalised; a cut token at ``PROCESSED_FLOOR``), as vLLM's ``processed_logprobs``."""
+    logp = torch.log_softmax(logits, dim=-1)
+    rows = [row for row, r in enumerate(requests) if r.processed_logprobs and r.temperature > 0]
+    if not rows:
+        return logp
+    temperature = torch.tensor([requests[row].temperature for row in rows], dtype=logits.dtype)
+    tempered = logits[rows] / temperature[:, None]
+    top_p = torch.tensor([requests[row].top_p for row in rows], dtype=torch.float64)
+    if bool((top_p < 1.0).any()):
+        probs, order = torch.sort(torch.softmax(tempered.double(), dim=-1), dim=-1, descending=True)
+        before = torch.cumsum(probs, dim=-1) - probs  # the mass ranked above each token
+        cut = torch.zeros_like(probs, dtype=torch.bool)
+        cut[:, 1:] = before[:, 1:] >= top_p[:, None]  # the nucleus keeps at least the top token
+        tempered = tempered.masked_fill(torch.zeros_like(cut).scatter(1, order, cut), float("-inf"))
+    logp[rows] = torch.log_softmax(tempered, dim=-1).clamp(min=PROCESSED_FLOOR)
+    return logp
+
+
 def _top(values: list[float], indices: list[int], k: int) -> list[tuple[int, float]]:
     return [(int(i), float(v)) for i, v in zip(indices[:k], values[:k], strict=True)]
 
@@ -154,7 +180,7 @@ class Lane:
         rows = [self._rows[i] for i in indices]
         requests = [row.request for row in rows]
         drawn = draw(logits, requests, [row.generator for row in rows])
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = reported_logprobs(logits, requests)
         picked = logp.gather(1, torch.tensor(drawn, dtype=torch.long)[:, None])[:, 0].tolist()
         k = max(r.top_logprobs for r in requests)
         top_values, top_indices = torch.topk(logp, k) if k > 0 else (logp[:, :0], logp[:, :0].long())
