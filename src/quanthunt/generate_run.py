@@ -29,7 +29,7 @@ from quanthunt.jobs import Eligible, Job, Progress, dataset_params_hash
 from quanthunt.ledger import LedgerWriter, open_ledger
 from quanthunt.ledger_postgres import PostgresLedger
 from quanthunt.measurements import RANK_TOP_K
-from quanthunt.monitor import processed_at, rank_temperature
+from quanthunt.monitor import rank_temperature
 from quanthunt.monitoring import (
     LOGPROB_TOP,
     UNLOGGED,
@@ -40,6 +40,7 @@ from quanthunt.monitoring import (
     suspect_checkpoints,
 )
 from quanthunt.params import Params
+from quanthunt.probes import convention_temperature
 from quanthunt.prompts import PromptRecord, iter_prompts
 from quanthunt.reconciliation import reconcile_earlier
 from quanthunt.records import RecordSink, adopt_published, prepare_output
@@ -212,9 +213,10 @@ async def run(
                 horizon = verdicts.decision_or(params.verify.decision).mixture_detection_tokens
                 # Ranked by the reference's top 20 in both modes: a +0.3 temperature drift at T 0.7 in
                 # logprob mode was stopped after a median 38 monitored replies so (105 by the top 5).
+                # Each reply's logprobs are read raw or after temperature, as their gaps say.
                 scorer = Scorer(reference, params.reasoning, top_logprobs=LOGPROB_TOP, attempts=params.verify.max_attempts,
                                 horizon=horizon, temperature=rank_temperature(g.sampling), rank_top=RANK_TOP_K,
-                                processed_at=processed_at(g.sampling))  # fmt: skip
+                                processed_at=convention_temperature(g.sampling.temperature, g.sampling.top_p))  # fmt: skip
                 await scorer.check()
                 monitoring = Monitoring(
                     monitors, scorer, writer, verification_run_id=verdicts.verification_run_id or UNLOGGED,

@@ -35,7 +35,7 @@ import numpy as np
 from quanthunt import distances
 from quanthunt.reference import PARTIAL, Position, Scored, canonical_name, merge_by_name
 from quanthunt.replies import TokenLogprob
-from quanthunt.verdicts import ProviderVerdict
+from quanthunt.verdicts import LogprobsReading, ProviderVerdict
 
 
 @dataclass
@@ -128,6 +128,13 @@ class Audit:
     first_round_end: int = 0
     """Completions with ``seq`` below this came from the first round (the fixed-sample
     baselines' sample)."""
+    convention_temperature: float | None = None
+    """Logprob mode: the generation's temperature, where ``convention`` was asked (None: not asked)."""
+    convention: list[LogprobCompletion] = field(default_factory=list)
+    """Replies sampled at ``convention_temperature`` and read for their logprob convention
+    only (``LogprobCompletion.convention``): not measurements of the audit's tests."""
+    convention_asked: int = 0
+    """Requests sent for ``convention`` (a failed one is left unread)."""
 
     def unusable_completion(self, reason: str) -> None:
         """A completion asked for that gives nothing to measure: counted, never dropped."""
@@ -284,6 +291,17 @@ def _nearest_zero(low: float, high: float) -> float:
     return low if low > 0.0 else high if high < 0.0 else 0.0
 
 
+def logprobs_reading(audit: Audit) -> LogprobsReading | None:
+    """How ``audit``'s convention replies read (None where none were asked)."""
+    if audit.convention_temperature is None:
+        return None
+    read = {c.convention for c in audit.convention}
+    read_as = "unread" if not read else read.pop() if len(read) == 1 else "mixed"
+    slopes = [round(c.slope, 4) for c in audit.convention if c.slope is not None]
+    return LogprobsReading(temperature=audit.convention_temperature, read_as=read_as, slopes=slopes,  # type: ignore[arg-type]
+                           replies=len(audit.convention), asked=audit.convention_asked)  # fmt: skip
+
+
 def names_pair(provider: str, reference: str) -> bool:
     """Whether a provider's token and the reference's re-tokenization may be the same token
     at a position: the same decoded text, or a partial UTF-8 piece on either side (its text
@@ -395,14 +413,15 @@ def compare_logprobs(
 
 def accounted(verdict: ProviderVerdict, audit: Audit) -> ProviderVerdict:
     """``verdict`` with its audit's accounting: every completion it could not use, by why,
-    the requests that timed out after they were sent (possibly billed), and the replies an
-    earlier run had bought."""
+    the requests that timed out after they were sent (possibly billed), the replies an
+    earlier run had bought, and how its logprobs read at the generation's temperature."""
     return verdict.model_copy(
         update={
             "unusable": dict(audit.unusable),
             "possibly_billed": audit.possibly_billed,
             "reused_replies": audit.reused,
             "reused_cost_usd": round(audit.reused_cost_usd, 8),
+            "logprobs_reading": logprobs_reading(audit),
         }
     )
 

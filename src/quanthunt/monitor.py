@@ -291,14 +291,6 @@ def rank_temperature(sampling: Sampling) -> float:
     return sampling.temperature if sampler_testable(sampling) else 1.0
 
 
-def processed_at(sampling: Sampling) -> float | None:
-    """The temperature at which the monitor also reads a reply's logprobs as after
-    temperature (``measurements.compare_logprobs``): generation's, in (0, 1) with top-p 1.
-    At T 1 both conventions are the same numbers; under a nucleus cut the normaliser of
-    processed logprobs needs the mass the reference does not list, so they are read raw."""
-    return sampling.temperature if 0.0 < sampling.temperature < 1.0 and sampling.top_p == 1.0 else None
-
-
 def suspect_turn(turn: Mapping[str, Any], suspect: Mapping[str, int]) -> bool:
     """Whether a record's turn came from a stopped provider at or after its first suspect
     checkpoint (``suspect``: tag → checkpoint, ``monitoring.suspect_checkpoints``; a turn

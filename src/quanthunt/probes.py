@@ -54,6 +54,22 @@ def probe_seed(seed: int, probe_id: str, index: int) -> int:
     return int(hashlib.sha256(f"{seed}:{probe_id}:{index}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
 
 
+def convention_temperature(temperature: float, top_p: float) -> float | None:
+    """Where a provider's logprobs may read otherwise than the reference's: sampling at a
+    temperature in (0, 1) with top-p 1 (``measurements.compare_logprobs``' ``processed_at``). At T 1 both
+    conventions are the same numbers; under a nucleus cut, processed logprobs' normaliser
+    needs the mass the reference does not list (read raw), and above 1 the unlisted mass
+    has no bound."""
+    return temperature if 0.0 < temperature < 1.0 and top_p == 1.0 else None
+
+
+CONVENTION_PROBES = 2
+"""First-round probes each logprob-mode provider is also asked at the generation's
+temperature, for how it reports logprobs there (``Design.convention_temperature``): one
+reply of 64 tokens reads clearly (slopes 1.00 raw, 1.43 processed at T 0.7, the boundary
+1.20); two, in case one fails."""
+
+
 @dataclass(frozen=True)
 class Design:
     """What the audit asks of each provider (from ``verify`` params)."""
@@ -70,6 +86,10 @@ class Design:
     rank_tokens: int
     """The rank statistic's horizon (``measurements.rank``): the tokens the mixture
     detection rates were measured at, ``decision.mixture_detection_tokens``."""
+    convention_temperature: float | None = None
+    """The generation's temperature where a provider's logprobs may be reported after it
+    (``convention_temperature``): each logprob-mode provider is also asked
+    ``CONVENTION_PROBES`` probes there, read for that only. None: not asked."""
 
     @classmethod
     def of(cls, params: Params) -> Design:
@@ -86,4 +106,6 @@ class Design:
             max_attempts=v.max_attempts,
             reasoning=params.reasoning,
             rank_tokens=v.decision.mixture_detection_tokens,
-        )
+            convention_temperature=convention_temperature(params.generate.sampling.temperature,
+                                                          params.generate.sampling.top_p),
+        )  # fmt: skip

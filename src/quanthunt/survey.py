@@ -18,6 +18,7 @@ from typing import Any
 
 from quanthunt.errors import ConfigError
 from quanthunt.params import Policy, PurchasePlan, Verify
+from quanthunt.probes import CONVENTION_PROBES
 from quanthunt.replies import Endpoint, ModelReasoning
 
 CANDIDATE = "candidate"
@@ -166,10 +167,12 @@ def price_scenario(name: str, row: ProviderRow, budget: PurchasePlan) -> Scenari
 
 
 def probe_requests(row: ProviderRow, verify: Verify) -> int:
-    """The most probe requests the verify stage sends one provider (every round it may take)."""
+    """The most probe requests the verify stage sends one provider (every round it may take,
+    and in logprob mode the ``CONVENTION_PROBES`` asked at the generation's temperature)."""
     p = verify.probes
-    per_prompt = p.completions_per_prompt if row.supports_logprobs else p.sample_mode_completions_per_prompt
-    return verify.max_probes_per_provider * per_prompt
+    if row.supports_logprobs:
+        return verify.max_probes_per_provider * p.completions_per_prompt + CONVENTION_PROBES
+    return verify.max_probes_per_provider * p.sample_mode_completions_per_prompt
 
 
 def probe_cost(row: ProviderRow, verify: Verify) -> float:

@@ -57,6 +57,22 @@ class Observed(_Model):
     bet on; empty in a file from before it was kept (the monitor then bets on Φ(z))."""
 
 
+class LogprobsReading(_Model):
+    """How a logprob-mode provider's logprobs read at the generation's temperature, which
+    the audit's own probes, at T 1, cannot tell: ``raw`` (the model's distribution, as the
+    reference's) or ``processed`` (after temperature, vLLM's ``processed_logprobs``), by the
+    slope of its within-position gaps on the reference's (``measurements.logprob_slope``:
+    1 raw, 1/T processed), over ``replies`` probe replies sampled at ``temperature``, of
+    ``asked`` requests (paid, counted in ``served_by`` and ``cost_usd`` like the audit's).
+    ``mixed``: replies of both; ``unread``: no reply could be read."""
+
+    temperature: float
+    read_as: Literal["raw", "processed", "mixed", "unread"]
+    slopes: list[float]
+    replies: int = Field(ge=0)
+    asked: int = Field(ge=0)
+
+
 class ProviderVerdict(_Model):
     provider: str
     tag: str
@@ -101,6 +117,9 @@ class ProviderVerdict(_Model):
     """Replies an earlier run bought with the same request, used again
     (``quanthunt.paid_replies``)."""
     reused_cost_usd: float = Field(default=0, ge=0)
+    logprobs_reading: LogprobsReading | None = None
+    """Logprob mode, generated at a temperature in (0, 1) with top-p 1: how its logprobs read
+    there (None: not asked, e.g. at generation T 1 where the two conventions agree)."""
     mlflow_run_id: str | None = None
 
     def unusable_text(self) -> str:

@@ -25,7 +25,7 @@ import functools
 import math
 import statistics
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import httpx
@@ -35,7 +35,7 @@ from quanthunt.defaults import GATEWAY_TIMEOUT
 from quanthunt.gateway import TRANSIENT, Gateway, GatewayError, Routing, backoff_s, chat_body
 from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, compare_logprobs, rank
 from quanthunt.params import Reasoning
-from quanthunt.probes import Design, Probe, probe_seed
+from quanthunt.probes import CONVENTION_PROBES, Design, Probe, probe_seed
 from quanthunt.reference import Reference
 from quanthunt.replies import ChatReply
 
@@ -214,6 +214,12 @@ class Auditor:
         self.design = design
         self.scorer = Scorer(reference, design.reasoning, top_logprobs=design.top_logprobs, attempts=design.max_attempts,
                              horizon=design.rank_tokens)  # fmt: skip
+        at = design.convention_temperature
+        self.convention_scorer = None if at is None else Scorer(
+            reference, design.reasoning, top_logprobs=design.top_logprobs, attempts=design.max_attempts,
+            horizon=design.rank_tokens, temperature=at, processed_at=at,
+        )  # fmt: skip
+        """Reads the replies asked at the generation's temperature (``convention_reply``)."""
         self.concurrency = concurrency
         self.limits: dict[str, AdaptiveLimit] = {}
         """Probe requests in flight at each endpoint, by tag (``limit``)."""
@@ -258,13 +264,15 @@ class Auditor:
             self._prompt_ids[probe.id] = await self.scorer.prompt_ids(probe.as_messages(), errors)
         return self._prompt_ids[probe.id]
 
-    async def _ask(self, audit: Audit, probe: Probe, index: int, *, logprobs: bool) -> ChatReply:
+    async def _ask(
+        self, audit: Audit, probe: Probe, index: int, *, logprobs: bool, temperature: float | None = None
+    ) -> ChatReply:
         d = self.design
         body = chat_body(
             model=d.model,
             messages=probe.as_messages(),
             max_tokens=d.max_tokens,
-            temperature=d.temperature,
+            temperature=d.temperature if temperature is None else temperature,
             seed=probe_seed(d.seed, probe.id, index),
             logprobs=logprobs,
             top_logprobs=d.top_logprobs if logprobs else None,
@@ -355,6 +363,25 @@ class Auditor:
         except GatewayError as exc:
             audit.unusable_completion(exc.kind)
 
+    async def convention_reply(self, audit: Audit, probe: Probe) -> None:
+        """One reply sampled at the generation's temperature, read only for how the provider
+        reports logprobs there (``Audit.convention``; paid and counted like any probe reply).
+        One that fails or cannot be paired is left unread: the audit's tests do not use it,
+        and its errors are counted with the audit's."""
+        assert self.convention_scorer is not None
+        audit.convention_asked += 1
+        try:
+            reply = await self._ask(audit, probe, 0, logprobs=True, temperature=self.convention_scorer.processed_at)
+            if not reply.logprobs or thought_while_off(self.design.reasoning, reply, audit.errors):
+                return
+            async with self._at_reference:
+                prompt = await self.prompt_ids(probe, audit.errors)
+                read = await self.convention_scorer.logprobs(prompt, reply, audit.errors, probe_id=probe.id, index=0, seq=0)
+            if read.deltas:
+                audit.convention.append(read)
+        except GatewayError:
+            return
+
     async def reference_sample(self, probe: Probe, index: int, seq: int) -> SampledText | None:
         key = (probe.id, index)
         if key not in self._reference_samples:
@@ -409,9 +436,12 @@ class Auditor:
         audit's completions in plan order."""
         logprobs = audit.mode == "logprob"
         k = self.design.completions_per_prompt if logprobs else self.design.sample_mode_completions_per_prompt
+        jobs: list[Coroutine[Any, Any, None]] = []
         if start == 0:
             audit.first_round_end = len(probes) * k
-        jobs = []
+            if logprobs and self.convention_scorer is not None:
+                audit.convention_temperature = self.convention_scorer.processed_at
+                jobs.extend(self.convention_reply(audit, probe) for probe in probes[:CONVENTION_PROBES])
         for offset, probe in enumerate(probes):
             for i in range(k):
                 seq = (start + offset) * k + i

@@ -51,6 +51,7 @@ def test_a_gateway_that_queues_slows_the_audit_but_every_probe_is_used(
     # Each timeout was sent and may have been generated and billed: counted, not hidden.
     assert alpha["possibly_billed"] + beta["possibly_billed"] == timeouts
     stats = httpx.get(f"{sandbox.api_url}/sandbox/stats", headers=AUTH).json()
-    assert stats["requests"] == PROMPTS * 4 + timeouts  # each probe once, plus one retry per timeout
+    # each probe once, alpha's two at the generation's temperature, plus one retry per timeout
+    assert stats["requests"] == PROMPTS * 4 + alpha["logprobs_reading"]["asked"] + timeouts
     said = done.stdout + done.stderr
     assert "timed out" in said and "limit" in said  # the console says why the audit slowed down

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -29,7 +30,7 @@ ROSTER = {
         {"name": "Moonshot AI", "slug": "moonshotai", "tag": "moonshotai/int4", "quantization": "int4",
          "precision": "int4-native", "pricing": PRICES},
         {"name": "Fireworks", "slug": "fireworks", "tag": "fireworks/int4", "quantization": "int4",
-         "precision": "int4-bf16act", "pricing": PRICES},
+         "precision": "int4-bf16act", "logprobs_mode": "processed_logprobs", "pricing": PRICES},
         {"name": "Chutes", "slug": "chutes", "tag": "chutes/unknown", "quantization": "unknown",
          "precision": "nvfp4", "pricing": PRICES},
         {"name": "Novita", "slug": "novita", "tag": "novita/int4", "quantization": "int4",
@@ -59,6 +60,13 @@ def test_verdicts_match_the_roster_and_repeat(small: Project) -> None:
     by_name = {p["provider"]: p for p in verdicts["providers"]}
     assert by_name["Moonshot AI"]["verdict"] == "equivalent" and by_name["Moonshot AI"]["eligible"]
     assert by_name["Fireworks"]["verdict"] == "equivalent"  # bf16 compute: faithful on other hardware
+    # Fireworks reports logprobs after temperature: at the audit's T 1 the same numbers; asked at
+    # the generation's 0.7 too, its logprobs read as processed (the monitor reads them so).
+    assert by_name["Fireworks"]["logprobs_reading"]["read_as"] == "processed"
+    assert by_name["Moonshot AI"]["logprobs_reading"]["read_as"] == "raw" and by_name["Novita"]["logprobs_reading"] is None
+    for name in ("Moonshot AI", "Fireworks", "Chutes"):
+        reading = by_name[name]["logprobs_reading"]
+        assert reading["temperature"] == 0.7 and reading["replies"] == reading["asked"] == 2, reading
     assert by_name["Chutes"]["verdict"] == "different" and not by_name["Chutes"]["eligible"]
     novita = by_name["Novita"]
     assert novita["mode"] == "sample" and novita["verdict"] == "equivalent", novita["reason"]
@@ -75,7 +83,8 @@ def test_verdicts_match_the_roster_and_repeat(small: Project) -> None:
         assert provider["completions"] + sum(provider["unusable"].values()) == asked, provider
         assert provider["failed_requests"] == sum(provider["unusable"].values()), provider
         if provider["mode"] == "logprob":
-            assert provider["served_by"] == {provider["provider"]: provider["completions"] + provider["failed_requests"]}
+            replies = provider["completions"] + provider["failed_requests"] + provider["logprobs_reading"]["asked"]
+            assert provider["served_by"] == {provider["provider"]: replies}
     assert (small.root / "reports/verify/plots/chutes-unknown.png").read_bytes()[:4] == b"\x89PNG"
     assert "Chutes" in (small.root / "reports/verify/report.html").read_text()
 
@@ -102,10 +111,11 @@ def test_verdicts_match_the_roster_and_repeat(small: Project) -> None:
         (p["provider"], p["verdict"]) for p in verdicts["providers"]
     ]
     for first_run, second in zip(verdicts["providers"], repeat["providers"], strict=True):
-        replies = first_run["completions"] + first_run["failed_requests"]
+        replies = first_run["completions"] + first_run["failed_requests"] + convention_asked(first_run)
         if second["rounds"] <= first_run["rounds"]:  # nothing new to buy
             assert second["reused_cost_usd"] == second["cost_usd"] > 0, second
-            assert second["reused_replies"] == second["completions"] + second["failed_requests"], second
+            bought = second["completions"] + second["failed_requests"] + convention_asked(second)
+            assert second["reused_replies"] == bought, second
         if first_run["mode"] == "logprob":
             assert (second["rounds"], second["reused_replies"], second["cost_usd"]) == (
                 first_run["rounds"],
@@ -119,6 +129,12 @@ def test_verdicts_match_the_roster_and_repeat(small: Project) -> None:
                 assert effect["ci_low"] - 1e-9 <= second["effects"][name]["value"] <= effect["ci_high"] + 1e-9, name
     assert repeat["reused_cost_usd"] == pytest.approx(sum(p["reused_cost_usd"] for p in repeat["providers"]))
     assert "bought by an earlier run and used again" in (small.root / "reports/verify/report.html").read_text()
+
+
+def convention_asked(verdict: dict[str, Any]) -> int:
+    """Requests asked at the generation's temperature for how the provider reports logprobs."""
+    reading = verdict["logprobs_reading"]
+    return int(reading["asked"]) if reading else 0
 
 
 def test_refuses_to_start_over_the_probe_budget(small: Project) -> None:
@@ -235,7 +251,7 @@ def test_adding_a_dataset_buys_only_its_probes(project: Project) -> None:
         assert probe not in before["probe_ids"][: rounds[tag][0] * 8], (tag, probe)  # never bought twice
         if rounds[tag][1] <= rounds[tag][0]:  # no round the first run had not reached
             assert probe.startswith("extra:"), (tag, probe)
-    asked = sum(p["completions"] + p["failed_requests"] for p in after["providers"])  # none failed at the gateway here
+    asked = sum(p["completions"] + p["failed_requests"] + convention_asked(p) for p in after["providers"])  # none failed here
     assert asked - sum(p["reused_replies"] for p in after["providers"]) == len(bought) < asked
     assert [p["verdict"] for p in after["providers"]] == [p["verdict"] for p in before["providers"]]
 
