@@ -35,7 +35,7 @@ from quanthunt.params import Params, section_digest
 from quanthunt.templates import PromptCheck
 from quanthunt.tracking import stage_run
 from quanthunt.validation import prompt_fidelity
-from quanthunt.verdicts import Verdicts
+from quanthunt.verdicts import LogprobsReading, Verdicts
 
 PARAMS: Params = SHIPPED.model_copy(update={"datasets": ("chat", "code")})
 HASH = dataset_params_hash(PARAMS)
@@ -282,3 +282,24 @@ def test_the_card_says_what_the_audit_did_not_verify_of_the_sampling() -> None:
     assert unwatched["not_monitored"] == ["novita/int4"] and "Not verified" in unwatched["note"]
     raw = verified_sampling(sampled_at(1.0, 1.0), providers)
     assert raw["differs"] == [] and raw["not_monitored"] == [] and "Not verified" not in raw["note"]
+
+
+def test_the_card_names_providers_whose_logprobs_read_after_temperature() -> None:
+    """Issue 25 §4: verify reads each logprob-mode provider's convention at the generation's
+    temperature; the card names those read as processed, and any read at another temperature
+    than the dataset was generated at (params changed since the audit)."""
+    def reading(read_as: str, temperature: float = 0.7) -> LogprobsReading:
+        return LogprobsReading(temperature=temperature, read_as=read_as, slopes=[1.43], replies=2, asked=2)  # type: ignore[arg-type]
+
+    providers = [
+        provider_verdict("alpha/int4", logprobs_reading=reading("raw")),
+        provider_verdict("beta/int4", logprobs_reading=reading("processed")),
+        provider_verdict("novita/int4", mode="sample"),
+    ]
+    said = verified_sampling(PARAMS, providers)
+    assert said["logprobs_read_as"] == {"alpha/int4": "raw", "beta/int4": "processed"}
+    assert "Logprobs reported after temperature (read so, against the reference's tempered logprobs): beta/int4" in said["note"]
+    assert "another temperature" not in said["note"]
+    providers[0] = provider_verdict("alpha/int4", logprobs_reading=reading("raw", temperature=0.5))
+    stale = verified_sampling(PARAMS, providers)
+    assert "at another temperature than generation's 0.7: alpha/int4" in stale["note"]

@@ -259,7 +259,9 @@ def verified_sampling(params: Params, eligible: Iterable[ProviderVerdict]) -> di
     (or the monitor off) leaves only what does not depend on them: the weights' precision
     (logprob mode, and the monitor keeps comparing the providers' logprobs); that each
     provider applies the temperature and top-p as the reference does is then not measured,
-    and a sample-mode provider is not monitored at all."""
+    and a sample-mode provider is not monitored at all. It also names the providers whose
+    logprobs the audit read as after temperature (``ProviderVerdict.logprobs_reading``), and
+    any read at another temperature than generation's."""
     probes, sampling = params.verify.probes, params.generate.sampling
     audit = {"temperature": probes.temperature, "top_p": 1.0, "max_tokens": probes.max_tokens}
     generation = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
@@ -283,7 +285,18 @@ def verified_sampling(params: Params, eligible: Iterable[ProviderVerdict]) -> di
             "logprobs). Not verified: that each provider applies this temperature and top-p as the reference does"
             + (f"; not monitored (sample mode): {', '.join(unmonitored)}" if unmonitored else "")
         )
-    return {"audit": audit, "generation": generation, "differs": differs, "not_monitored": unmonitored, "note": note}
+    readings = {v.tag: v.logprobs_reading for v in eligible if v.logprobs_reading is not None}
+    read_as = {tag: r.read_as for tag, r in sorted(readings.items())}
+    processed = [tag for tag, how in read_as.items() if how in ("processed", "mixed")]
+    if processed:
+        note += (f". Logprobs reported after temperature (read so, against the reference's tempered logprobs): "
+                 f"{', '.join(processed)}")  # fmt: skip
+    elsewhere = sorted(tag for tag, r in readings.items() if r.temperature != sampling.temperature)
+    if elsewhere:
+        note += (f". The audit read these providers' logprob convention at another temperature than generation's "
+                 f"{sampling.temperature:g}: {', '.join(elsewhere)} (the monitor reads each reply's own)")  # fmt: skip
+    return {"audit": audit, "generation": generation, "differs": differs, "not_monitored": unmonitored,
+            "logprobs_read_as": read_as, "note": note}  # fmt: skip
 
 
 def _providers(inputs: Inputs, served: Mapping[str, int]) -> list[dict[str, Any]]:
