@@ -16,21 +16,21 @@ def test_calibrate_bounds_the_margins_on_a_noisy_control_and_verify_refuses_it_f
     project.set_param("calibrate.controls", {"fp8-kv": "sandbox:fp8-kv"})
     project.set_param("calibrate.coarse", "sandbox:coarse")
     project.set_param("calibrate.prompts", 8)
-    project.set_param("calibrate.completions_per_prompt", 6)
+    project.set_param("calibrate.completions_per_prompt", 4)
     done = project.run("calibrate", "--params", "params.yaml")
     assert done.returncode == 0, done.stderr
-    assert "48 completions (≤ 64 tokens each) at each of 1 control(s) and the coarse build" in done.stderr
+    assert "32 completions (≤ 64 tokens each) at each of 1 control(s) and the coarse build" in done.stderr
 
     found = json.loads((project.root / CALIBRATION).read_text())
     assert found["measured"] and found["key"]["reference_server"].startswith("quanthunt-sandbox")
     (fp8,) = found["controls"]
     assert fp8["name"] == "fp8-kv" and fp8["url"] == "sandbox:fp8-kv"
-    assert fp8["completions"] + sum(fp8["failed"].values()) == 48 and fp8["completions"] >= 40
+    assert fp8["completions"] + sum(fp8["failed"].values()) == 32 and fp8["completions"] >= 26
     coarse = found["coarse"]
     assert coarse["mean_abs_dlogprob"] > 5 * fp8["mean_abs_dlogprob"] > 0  # NVFP4 is far coarser than the KV cache
     shipped, used = SHIPPED.verify.margin, found["margin"]
     assert used["mean_abs_dlogprob"] > shipped.mean_abs_dlogprob  # fp8 KV's noise is beyond the SmolLM2 margin
-    assert used["tail_p0"] > 0.05  # 0 extreme of 48 bounds a faithful share only by ~12 %
+    assert used["tail_p0"] > 0.05  # 0 extreme of 32 bounds a faithful share only by ~15 % (one of 8 bounds at 95 %)
     assert all(used[name] >= value for name, value in shipped.model_dump().items())
     assert 0.5 < found["decision"]["mixture_detection_logprob"] < coarse["extreme_share"] <= 1.0  # its lower bound
 

@@ -48,6 +48,7 @@ def small(project: Project) -> Project:
     project.set_param("verify.decision.mixture_detection_tokens", 16)  # accept the 64-token rates: mechanics, not power
     project.set_param("verify.decision.mixture_detection_sample", 0.9)  # ... and a short sample-mode audit
     project.set_param("verify.probes.sample_mode_completions_per_prompt", 4)
+    project.set_param("verify.margin.sampler_equivalence", 0.15)  # faithful shown so in ~6 rounds, not ~12
     done = project.run("survey", "--params", "params.yaml")
     assert done.returncode == 0, done.stderr
     return project
@@ -229,6 +230,7 @@ def test_adding_a_dataset_buys_only_its_probes(project: Project) -> None:
     project.set_param("verify.probes.prompts", 8)
     project.set_param("verify.probes.max_tokens", 16)
     project.set_param("verify.decision.mixture_detection_tokens", 16)
+    project.set_param("verify.margin.sampler_equivalence", 0.15)
     assert project.run("survey", "--params", "params.yaml").returncode == 0
     first = project.run("verify", "--params", "params.yaml")
     assert first.returncode == 0, first.stderr
