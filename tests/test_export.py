@@ -288,6 +288,7 @@ def test_the_card_names_providers_whose_logprobs_read_after_temperature() -> Non
     """Issue 25 §4: verify reads each logprob-mode provider's convention at the generation's
     temperature; the card names those read as processed, and any read at another temperature
     than the dataset was generated at (params changed since the audit)."""
+
     def reading(read_as: str, temperature: float = 0.7) -> LogprobsReading:
         return LogprobsReading(temperature=temperature, read_as=read_as, slopes=[1.43], replies=2, asked=2)  # type: ignore[arg-type]
 

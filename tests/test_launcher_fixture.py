@@ -5,6 +5,7 @@ in its own directory and environment, and one that hangs is killed with what it 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -86,6 +87,29 @@ def test_a_command_past_its_timeout_is_killed(started: Launcher, tmp_path: Path)
         time.sleep(0.1)
     assert _processes_with(marker) == []
     assert started.run([QUANTHUNT, "--help"], tmp_path, dict(os.environ), 60).returncode == 0  # the launcher serves on
+
+
+def test_a_started_command_is_a_process_group_of_its_own_that_answers_signals(started: Launcher, tmp_path: Path) -> None:
+    """``Launcher.start`` (``Project.start``): ``subprocess.Popen``'s contract for the stage
+    tests that signal or kill a command mid-run, the command its own process group's leader."""
+    roster = tmp_path / "roster.yaml"
+    roster.write_text(yaml.safe_dump(roster_dict(provider("alpha"))))
+    argv = [QUANTHUNT, "sandbox", "serve", "--mode", "latency", "--port", "0", "--roster", str(roster)]
+    with started.start(argv, tmp_path, dict(os.environ, PYTHONUNBUFFERED="1")) as serving:
+        assert os.getpgid(serving.pid) == serving.pid
+        deadline = time.monotonic() + 30
+        out = tmp_path / "launcher/1.out"  # the launcher's first command's output, written as it runs
+        while not (out.exists() and "http://127.0.0.1:" in out.read_text()):
+            assert serving.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        with pytest.raises(subprocess.TimeoutExpired):
+            serving.wait(timeout=0.2)
+        os.killpg(serving.pid, signal.SIGINT)  # a Ctrl-C at the terminal
+        out, _ = serving.communicate(timeout=30)
+    assert serving.returncode == serving.poll() is not None and "http://127.0.0.1:" in out
+    killed = started.start([QUANTHUNT, "sandbox", "serve", "--mode", "latency", "--port", "0"], tmp_path, dict(os.environ))
+    killed.kill()
+    assert killed.wait(timeout=30) == -signal.SIGKILL
 
 
 def test_the_server_ends_with_the_test_process_that_started_it(tmp_path: Path) -> None:

@@ -226,24 +226,14 @@ def test_generate_under_provider_faults(generation_bed: Callable[..., Generation
 
 
 def test_generate_when_the_sandbox_dies_and_comes_back(generation_bed: Callable[..., GenerationBed]) -> None:
-    import subprocess
     import time
-
-    from fixtures.project import BIN
 
     bed = generation_bed(
         records=240,  # ~12 s of generation at 8 in flight: the kill lands mid-run
         latency_ms=400,
         params={"generate.concurrency": 8, "generate.retry.max_attempts": 3, "generate.retry.max_delay_s": 0.2},
     )
-    proc = subprocess.Popen(
-        [str(BIN / "quanthunt"), "generate", "tiny", "--params", "params.yaml"],
-        cwd=bed.project.root,
-        env=bed.project.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = bed.project.start("generate", "tiny", "--params", "params.yaml")
     deadline = time.monotonic() + 60
     while len(bed.records()) < 8 and time.monotonic() < deadline:  # kill once generation is under way
         time.sleep(0.2)

@@ -13,23 +13,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from fixtures.project import BIN, Project
+from fixtures.project import Project
 
 from quanthunt.connection import SHARED_SANDBOX_ENV
 
 
-def start(project: Project, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [str(BIN / "quanthunt"), *args],
-        cwd=project.root,
-        env=project.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def start(project: Project, *args: str) -> Any:
+    return project.start(*args)
 
 
-def running_run(project: Project, stage: str, proc: subprocess.Popen[str], *, timeout: float = 120) -> Any:
+def running_run(project: Project, stage: str, proc: Any, *, timeout: float = 120) -> Any:
     """The stage's MLflow run once it is RUNNING (the stage is then mid-run)."""
     client = project.mlflow()
     deadline = time.monotonic() + timeout

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import httpx
 import pytest
 import yaml
 from fixtures.generation import SANDBOX_KEY, GenerationBed, write_prompts, write_verdicts
-from fixtures.project import BIN, Project
+from fixtures.project import Project
 from fixtures.sandbox import provider
 
 from quanthunt.ledger_sqlite import SqliteLedger
@@ -189,9 +188,7 @@ def test_kill_9_mid_run_resumes_with_the_monitors_state(generation_bed: Callable
     bed = generation_bed(records=200, latency_ms=150, params={"generate.concurrency": 4, "generate.monitor.share": 1.0,
                                                                "generate.monitor.checkpoint_every": 4})  # fmt: skip
     ledger_path = bed.project.root / "state/ledger.sqlite"
-    cmd = [str(BIN / "quanthunt"), "generate", "tiny", "--params", "params.yaml"]
-    with subprocess.Popen(cmd, cwd=bed.project.root, env=bed.project.env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, start_new_session=True) as process:  # fmt: skip
+    with bed.project.start("generate", "tiny", "--params", "params.yaml") as process:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and sum(len(s["path"]) for s in monitor_states(ledger_path).values()) < 20:
             time.sleep(0.2)

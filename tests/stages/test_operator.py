@@ -11,23 +11,21 @@ import sqlite3
 import subprocess
 import time
 from collections.abc import Callable
+from typing import Any
 
 import yaml
 from fixtures.generation import GenerationBed
-from fixtures.project import BIN, Project
+from fixtures.project import Project
 
 RESUME = "resume with `quanthunt generate tiny --params params.yaml`"
 
 
-def start(bed: GenerationBed) -> subprocess.Popen[str]:
+def start(bed: GenerationBed) -> Any:
     """``quanthunt generate`` as a terminal runs it: the leader of its own process group."""
-    return subprocess.Popen(
-        [str(BIN / "quanthunt"), "generate", "tiny", "--params", "params.yaml"], cwd=bed.project.root, env=bed.project.env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    return bed.project.start("generate", "tiny", "--params", "params.yaml")
 
 
-def wait_for_records(bed: GenerationBed, count: int, proc: subprocess.Popen[str], timeout_s: float = 120) -> None:
+def wait_for_records(bed: GenerationBed, count: int, proc: Any, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while len(bed.records()) < count:
         assert proc.poll() is None, proc.communicate()
@@ -68,6 +66,7 @@ def test_ctrl_c_stops_sending_lets_in_flight_finish_and_resumes(generation_bed: 
     assert not (bed.project.root / "reports/generate/tiny.json").exists(), "an unfinished run wrote the metrics"
 
     sent = len(rows)
+    bed.project.set_param("generate.concurrency", 64)  # the resume need not wait its turn 8 at a time (37 s)
     done = bed.generate()
     assert done.returncode == 0, done.stderr
     ids = [r["id"] for r in bed.records()]
@@ -108,6 +107,7 @@ def test_a_second_ctrl_c_cuts_in_flight_requests_and_provenance_counts_them(
     cut = {(r, t) for r, t, outcome in attempts(bed) if outcome is None}
     assert cut, "nothing was in flight when the run was cut off: the test proves nothing"
 
+    bed.project.set_param("generate.concurrency", 64)  # the resume need not wait its turn 8 at a time
     done = bed.generate()
     assert done.returncode == 0, done.stderr
     by_turn: dict[tuple[str, int], list[str]] = {}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Callable
 
 from fixtures.generation import GenerationBed, write_prompts
-from fixtures.project import BIN, PLANTED_KEY, Project
+from fixtures.project import PLANTED_KEY, Project
 from fixtures.sandbox import provider
 
 from quanthunt.sandbox.server import SandboxProcess
@@ -44,13 +43,7 @@ def test_a_planted_key_appears_nowhere(project: Project, latency_sandbox: Callab
 
 def test_one_writer_per_dataset(generation_bed: Callable[..., GenerationBed]) -> None:
     bed = generation_bed(records=200, latency_ms=1000, params={"generate.concurrency": 4})
-    first = subprocess.Popen(
-        [str(BIN / "quanthunt"), "generate", "tiny", "--params", "params.yaml"],
-        cwd=bed.project.root,
-        env=bed.project.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    first = bed.project.start("generate", "tiny", "--params", "params.yaml")
     try:
         deadline = time.monotonic() + 60
         while not (bed.project.root / "state/locks/tiny.lock").exists() and time.monotonic() < deadline:
