@@ -63,13 +63,6 @@ def convention_temperature(temperature: float, top_p: float) -> float | None:
     return temperature if 0.0 < temperature < 1.0 and top_p == 1.0 else None
 
 
-CONVENTION_PROBES = 2
-"""First-round probes each logprob-mode provider is also asked at the generation's
-temperature, for how it reports logprobs there (``Design.convention_temperature``): one
-reply of 64 tokens reads clearly (slopes 1.00 raw, 1.43 processed at T 0.7, the boundary
-1.20); two, in case one fails."""
-
-
 @dataclass(frozen=True)
 class Design:
     """What the audit asks of each provider (from ``verify`` params)."""
@@ -89,7 +82,7 @@ class Design:
     convention_temperature: float | None = None
     """The generation's temperature where a provider's logprobs may be reported after it
     (``convention_temperature``): each logprob-mode provider is also asked
-    ``CONVENTION_PROBES`` probes there, read for that only. None: not asked."""
+    ``survey.CONVENTION_PROBES`` probes there, read for that only. None: not asked."""
 
     @classmethod
     def of(cls, params: Params) -> Design:

@@ -18,7 +18,6 @@ from typing import Any
 
 from quanthunt.errors import ConfigError
 from quanthunt.params import Policy, PurchasePlan, Verify
-from quanthunt.probes import CONVENTION_PROBES
 from quanthunt.replies import Endpoint, ModelReasoning
 
 CANDIDATE = "candidate"
@@ -164,6 +163,14 @@ def price_scenario(name: str, row: ProviderRow, budget: PurchasePlan) -> Scenari
         affordable_output_tokens_per_dataset=affordable // budget.datasets,
         affordable_with_input_tokens=int(budget.usd / with_input) if with_input > 0 else 0,
     )
+
+
+CONVENTION_PROBES = 2
+"""First-round probes each logprob-mode provider is also asked at the generation's
+temperature, for how it reports logprobs there (``probes.Design.convention_temperature``): one
+reply reads clearly (its slope 1 raw, 1/T processed: 1.43 at T 0.7, the boundary 1.20; the
+default roster's raw providers read 0.99–1.00, its coarse ones 0.66–0.80); two, in case one
+fails."""
 
 
 def probe_requests(row: ProviderRow, verify: Verify) -> int:

@@ -35,9 +35,10 @@ from quanthunt.defaults import GATEWAY_TIMEOUT
 from quanthunt.gateway import TRANSIENT, Gateway, GatewayError, Routing, backoff_s, chat_body
 from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, SampledText, compare_logprobs, rank
 from quanthunt.params import Reasoning
-from quanthunt.probes import CONVENTION_PROBES, Design, Probe, probe_seed
+from quanthunt.probes import Design, Probe, probe_seed
 from quanthunt.reference import Reference
 from quanthunt.replies import ChatReply
+from quanthunt.survey import CONVENTION_PROBES
 
 T = TypeVar("T")
 RETRYABLE = TRANSIENT | {"malformed", "unexpected_reply", "finish_error", "openrouter_in_flight_budget"}
