@@ -28,7 +28,7 @@ import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -59,9 +59,11 @@ class LogprobCompletion:
     seq: int = 0
     """Position in the audit plan (probe order × completions + index): observations are
     tested in this order, so a later round never reorders an earlier one."""
-    convention: str = "raw"
+    convention: Literal["raw", "processed"] = "raw"
     """How the provider's logprobs were read (``compare_logprobs``): ``raw``, the model's
-    distribution before the sampler, or ``processed``, after temperature."""
+    distribution before the sampler (vLLM's default ``--logprobs-mode raw_logprobs``, and the
+    reference's echo always), or ``processed``, after temperature (``processed_logprobs``;
+    some stacks always). At T 1 and top-p 1 the two are the same numbers."""
     slope: float | None = None
     """``logprob_slope`` of the paired positions (None: no alternative listed on both sides)."""
 
@@ -238,13 +240,6 @@ def rank(positions: Sequence[Position], *, listed: int, seed: str, horizon: int,
     return Rank((total + padding) / math.sqrt(horizon), pit)
 
 
-LOGPROB_CONVENTIONS = ("raw", "processed")
-"""What a provider's logprobs are of: ``raw``, the model's distribution before the sampler
-(vLLM's default ``--logprobs-mode raw_logprobs``, and the reference's echo always), or
-``processed``, after temperature (``processed_logprobs``; some stacks always). At T 1 and
-top-p 1 the two are the same numbers."""
-
-
 def logprob_slope(provider_gaps: Sequence[float], reference_gaps: Sequence[float]) -> float | None:
     """The least-squares slope through the origin of the provider's within-position logprob
     gaps (an alternative's logprob minus the sampled token's, at the same position) on the
@@ -260,8 +255,10 @@ def logprob_slope(provider_gaps: Sequence[float], reference_gaps: Sequence[float
 def reads_processed(slope: float | None, temperature: float | None) -> bool:
     """Whether logprobs whose ``logprob_slope`` is ``slope`` are after temperature: nearer
     ``1/T`` than 1 on a log scale (at T 0.7 the two are 1 and 1.43, the boundary 1.20). Only
-    for 0 < T < 1 (``processed_at``)."""
-    return slope is not None and temperature is not None and slope > temperature**-0.5
+    for 0 < T < 1 (``processed_at``); otherwise never."""
+    if slope is None or temperature is None or not 0.0 < temperature < 1.0:
+        return False
+    return slope > 1.0 / math.sqrt(temperature)
 
 
 def tempered_logprob_bounds(position: Position, temperature: float) -> tuple[float, float]:
@@ -274,10 +271,10 @@ def tempered_logprob_bounds(position: Position, temperature: float) -> tuple[flo
     if not 0.0 < temperature < 1.0:
         raise ValueError(f"tempered logprobs need a temperature in (0, 1), got {temperature}")
     power = 1.0 / temperature
-    listed = [position.logprob, *position.outranked_by()]
+    others = position.outranked_by()
+    listed = [position.logprob, *others]
     log_listed = float(np.logaddexp.reduce(np.array(listed) * power))
     unlisted = max(0.0, 1.0 - math.fsum(math.exp(v) for v in listed))
-    others = position.outranked_by()
     if unlisted == 0.0:
         log_all = log_listed
     else:
@@ -298,7 +295,7 @@ def logprobs_reading(audit: Audit) -> LogprobsReading | None:
     read = {c.convention for c in audit.convention}
     read_as = "unread" if not read else read.pop() if len(read) == 1 else "mixed"
     slopes = [round(c.slope, 4) for c in audit.convention if c.slope is not None]
-    return LogprobsReading(temperature=audit.convention_temperature, read_as=read_as, slopes=slopes,  # type: ignore[arg-type]
+    return LogprobsReading(temperature=audit.convention_temperature, read_as=read_as, slopes=slopes,
                            replies=len(audit.convention), asked=audit.convention_asked)  # fmt: skip
 
 
@@ -341,8 +338,8 @@ def compare_logprobs(
     sampled it: its rank z scores it after a pairing that reached the end.
 
     ``processed_at``: the temperature in (0, 1) the reply was sampled at with top-p 1, where
-    a provider may report its logprobs after temperature (``LOGPROB_CONVENTIONS``; the
-    reference's are raw). The reply is read in the convention its ``logprob_slope`` points
+    a provider may report its logprobs after temperature (``LogprobCompletion.convention``;
+    the reference's are raw). The reply is read in the convention its ``logprob_slope`` points
     to; read as processed, each Δ is taken against the reference's tempered logprob at the
     end of its bounds (``tempered_logprob_bounds``) nearest the provider's, so it is never
     larger than the true Δ: a faithful provider is not made to look coarse by the unlisted
@@ -379,7 +376,7 @@ def compare_logprobs(
     if said != heard or len(pairs) > synced:  # pieces at the end that never came back in step
         del pairs[synced:], paired[synced:], gaps[gaps_after[synced - 1] if synced else 0 :]
     slope = logprob_slope([g[0] for g in gaps], [g[1] for g in gaps])
-    processed = reads_processed(slope, processed_at) if 0.0 < (processed_at or 0.0) < 1.0 else False
+    processed = reads_processed(slope, processed_at)
     deltas: list[float] = []
     kls: list[float] = []
     agree: list[bool] = []

@@ -131,7 +131,7 @@ class Monitoring:
         """monitored, scored, unscored and ``unscored.<why>``."""
         self.events: list[Event] = []
         self.conventions: defaultdict[str, Counter[str]] = defaultdict(Counter)
-        """Per provider, its scored replies by how their logprobs read (``LOGPROB_CONVENTIONS``)."""
+        """Per provider, its scored replies by how their logprobs read (``LogprobCompletion.convention``)."""
         self._gate = asyncio.Semaphore(settings.concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
         self._saved_points = {tag: len(m.path) for tag, m in self.monitors.items()}

@@ -56,10 +56,10 @@ def probe_seed(seed: int, probe_id: str, index: int) -> int:
 
 def convention_temperature(temperature: float, top_p: float) -> float | None:
     """Where a provider's logprobs may read otherwise than the reference's: sampling at a
-    temperature in (0, 1) with top-p 1 (``measurements.compare_logprobs``' ``processed_at``). At T 1 both
-    conventions are the same numbers; under a nucleus cut, processed logprobs' normaliser
-    needs the mass the reference does not list (read raw), and above 1 the unlisted mass
-    has no bound."""
+    temperature in (0, 1) with top-p 1 (``measurements.compare_logprobs``' ``processed_at``).
+    At T 1 both conventions are the same numbers; under a nucleus cut, processed logprobs'
+    normaliser needs the mass the reference does not list (read raw), and above 1 the
+    unlisted mass has no bound."""
     return temperature if 0.0 < temperature < 1.0 and top_p == 1.0 else None
 
 

@@ -372,7 +372,7 @@ class Auditor:
         assert self.convention_scorer is not None
         audit.convention_asked += 1
         try:
-            reply = await self._ask(audit, probe, 0, logprobs=True, temperature=self.convention_scorer.processed_at)
+            reply = await self._ask(audit, probe, 0, logprobs=True, temperature=self.design.convention_temperature)
             if not reply.logprobs or thought_while_off(self.design.reasoning, reply, audit.errors):
                 return
             async with self._at_reference:
@@ -441,7 +441,7 @@ class Auditor:
         if start == 0:
             audit.first_round_end = len(probes) * k
             if logprobs and self.convention_scorer is not None:
-                audit.convention_temperature = self.convention_scorer.processed_at
+                audit.convention_temperature = self.design.convention_temperature
                 jobs.extend(self.convention_reply(audit, probe) for probe in probes[:CONVENTION_PROBES])
         for offset, probe in enumerate(probes):
             for i in range(k):
