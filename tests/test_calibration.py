@@ -5,12 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fixtures.params import SHIPPED, changed
+from scipy.stats import norm
 
 from quanthunt.calibration import (
     BOUNDS,
+    GENERATION_BOUNDS,
     MEAN_MARGIN_FACTOR,
     TAIL_OVER_MARGIN,
     Faithful,
+    Sampled,
+    at_generation,
     calibrate,
     detection,
     mean_interval,
@@ -113,3 +117,33 @@ def test_detection_rates_are_the_coarse_builds_lower_bounds() -> None:
     assert used.mixture_share == decision.mixture_share  # nothing else moves
     with pytest.raises(ValueError, match="never flagged"):
         detection(decision, MARGIN, Faithful("fp8", [0.01] * 10, [], [0.0] * 10), confidence=0.95)
+
+
+def sampled(z_mean: float, *, n: int = 288, seed: int = 3) -> Sampled:
+    z = np.random.default_rng(seed).normal(z_mean, 1, n)
+    return Sampled("box", z.tolist(), [float(v) for v in norm.cdf(z)])
+
+
+def test_the_generations_sampler_margins_widen_to_the_controls_bounds_there() -> None:
+    """At the generation's temperature a deployment's noise shifts the tempered ranks more
+    than at the audit's T 1: a control whose ranks there sit 0.4 high widens the monitor's
+    sampler margins to their bounds, and nothing else."""
+    used, bounds = at_generation(MARGIN, sampled(0.4), confidence=0.95)
+    assert [b.margin for b in bounds] == ["sample_tail_p0 (generation)", "sampler_shift (generation)"]
+    tail, shift = bounds
+    z = sampled(0.4).z
+    flagged = sum(v > MARGIN.sample_tail_z for v in z)
+    each = 1 - 0.05 / GENERATION_BOUNDS
+    assert tail.measured == flagged / 288 and tail.bound == share_interval(flagged, 288, confidence=each)[1]
+    assert used.sample_tail_p0 == tail.bound > MARGIN.sample_tail_p0 and used.sampler_shift == shift.bound > 0.1
+    assert used.sampler_equivalence >= used.sampler_shift
+    unchanged = {f for f in type(MARGIN).model_fields if f not in {"sample_tail_p0", "sampler_shift", "sampler_equivalence"}}
+    assert all(getattr(used, f) == getattr(MARGIN, f) for f in unchanged)
+
+
+def test_the_generations_sampler_margins_are_never_narrowed() -> None:
+    wide = changed(MARGIN, sample_tail_p0=0.3, sampler_shift=0.3, sampler_equivalence=0.4)
+    used, bounds = at_generation(wide, sampled(0.0), confidence=0.95)
+    assert used == wide and not any(b.widened for b in bounds)
+    with pytest.raises(ValueError, match="control box: need the same number"):
+        at_generation(MARGIN, Sampled("box", [0.1, 0.2], [0.5]), confidence=0.95)

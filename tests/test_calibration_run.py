@@ -13,13 +13,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fixtures.controls import coarse, control
+from fixtures.controls import coarse, control, sampled
 from fixtures.params import SHIPPED
 
-from quanthunt.calibration import Faithful
+from quanthunt.calibration import Faithful, Sampled
 from quanthunt.calibration_run import (
     Completions,
     Key,
+    SamplerCompletions,
     applied,
     calibrated,
     check_reference,
@@ -72,6 +73,30 @@ def test_a_noisy_control_widens_the_margins_verify_generate_and_report_use(tmp_p
     assert verdict_calibration.measured_for_model and "second-box" in verdict_calibration.measured_on
 
 
+def test_controls_at_the_generations_settings_set_the_monitors_sampler_margins(tmp_path: Path) -> None:
+    """The monitor's margins are verify's with the sampler's widened to what the control
+    showed at the generation's temperature; verify decides with its own, and the confidence
+    is split over one more part."""
+    key = Key.of(SHIPPED)
+    assert key.generation == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 384}
+    noisy = {"box": ("reference", control("box", 0.02))}
+    audit_only = calibrated(SHIPPED, key, noisy, None)
+    assert audit_only.generation is None and "no control was measured there" in audit_only.note
+    result = calibrated(SHIPPED, key, noisy, None, {"box": sampled("box", z_mean=0.4)})
+    assert result.generation is not None and result.generation.settings == key.generation
+    monitor = result.generation.margin
+    assert monitor.sampler_shift > result.margin.sampler_shift and monitor.sample_tail_p0 > result.margin.sample_tail_p0
+    assert monitor.mean_abs_dlogprob == result.margin.mean_abs_dlogprob and monitor.tail_p0 == result.margin.tail_p0
+    assert {b.margin for b in result.bounds if b.margin.endswith("(generation)")} == {
+        "sample_tail_p0 (generation)", "sampler_shift (generation)"}  # fmt: skip
+    assert result.margin.tail_p0 > audit_only.margin.tail_p0  # each bound at 97.5 % now, not 95 %
+    assert "box (288)" in result.note and "temperature 0.7" in result.note
+    (box,) = result.generation.controls
+    assert box.completions == 288 and box.mean_pit > 0.55 and box.failed == {"timeout": 2}
+    with pytest.raises(ConfigError, match=r"calibrate.controls.box: no completion at the generation's settings .*timeout ×2"):
+        calibrated(SHIPPED, key, noisy, None, {"box": SamplerCompletions(Sampled("box", [], []), Counter(timeout=2))})
+
+
 def test_two_controls_split_the_confidence_and_the_noisier_one_sets_the_margin() -> None:
     key = Key.of(SHIPPED)
     quiet = {"quiet": ("reference", control("quiet", 0.01))}
@@ -90,6 +115,8 @@ def test_two_controls_split_the_confidence_and_the_noisier_one_sets_the_margin()
         ("reasoning.mode", "off", "reasoning"),
         ("calibrate.prompts", 12, "calibrate.prompts 24 (now 12)"),
         ("calibrate.controls", {"box": "reference"}, "calibrate.controls.box None (now 'reference')"),
+        ("generate.sampling.temperature", 0.8, "generation.temperature 0.7 (now 0.8)"),
+        ("generate.sampling.max_tokens", 512, "generation.max_tokens 384 (now 512)"),
     ],
 )
 def test_a_calibration_made_for_other_settings_is_refused_naming_the_file_and_the_setting(

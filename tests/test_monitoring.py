@@ -12,21 +12,23 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fixtures.params import SHIPPED, changed
 from fixtures.records import writing
-from fixtures.verdicts import eligible
+from fixtures.verdicts import eligible, verdicts_of
 from test_generation import HASH, PinnedChat, job, lines, records
 
-from quanthunt.errors import EXIT_OUT_OF_BUDGET
+from quanthunt.errors import EXIT_OUT_OF_BUDGET, ConfigError
 from quanthunt.generation import Engine
 from quanthunt.jobs import Eligible
 from quanthunt.ledger import Ledger, SaveMonitor
 from quanthunt.ledger_sqlite import SqliteLedger
 from quanthunt.measurements import LogprobCompletion
 from quanthunt.monitor import ProviderMonitor, rank_temperature, sampler_testable
-from quanthunt.monitoring import Monitoring, monitor_card
+from quanthunt.monitoring import Monitoring, monitor_card, monitor_margin
 from quanthunt.replies import ChatReply, TokenLogprob
 from quanthunt.report import DatasetView, monitor_section
+from quanthunt.verdicts import Calibration
 
 A = eligible("A", "a/int4", "int4", 1e-6, 2e-6, 8192)
 B = eligible("B", "b/int4", "int4", 1e-6, 2e-6, 8192)
@@ -153,3 +155,20 @@ def test_the_sampler_is_monitored_at_the_generations_temperature_and_not_where_t
         logprob = ProviderMonitor.start("l/x", "logprob", sampler=testable, margin=SHIPPED.verify.margin, alpha=0.05,
                                         checkpoint_every=8, audited=[])  # fmt: skip
         assert logprob.monitored and ("sampler: mean Φ(rank z) off ½" in logprob.bet_names) is testable
+
+
+def test_the_monitor_bets_with_the_margins_calibrated_at_the_generations_settings_and_refuses_others() -> None:
+    """Verify decides with its margins; the monitor with the sampler's widened to what the
+    controls showed at the generation's settings, and only at those settings."""
+    margin, sampling = SHIPPED.verify.margin, SHIPPED.generate.sampling
+    wider = changed(margin, sample_tail_p0=0.09, sampler_shift=0.08)
+    measured_at = {"temperature": 0.7, "top_p": 1.0, "max_tokens": 384}
+    calibration = Calibration.of(SHIPPED.survey.model, controls=["box"], note="n", margin=margin,
+                                 decision=SHIPPED.verify.decision, monitor_margin=wider,
+                                 monitor_settings=measured_at)  # fmt: skip
+    verdicts = verdicts_of(calibration=calibration)
+    assert monitor_margin(verdicts, sampling, margin) == wider
+    assert monitor_margin(verdicts_of(), sampling, margin) == margin  # a file from before: what verify decided with
+    hotter = changed(sampling, temperature=0.8)
+    with pytest.raises(ConfigError, match=r"generate.sampling.temperature 0.7 \(now 0.8\).*quanthunt calibrate"):
+        monitor_margin(verdicts, hotter, margin)

@@ -276,6 +276,8 @@ def decide(
             note=calibration.note if calibration.measured else "",
             margin=m,
             decision=d,
+            monitor_margin=calibration.generation.margin if calibration.generation else None,
+            monitor_settings=calibration.generation.settings if calibration.generation else None,
         ),
         providers=decided,
     )

@@ -32,6 +32,10 @@ BOUNDS = 8
 """The one-sided confidence bounds a calibration takes: mean |Δ| and its extreme share
 (upper), and in each listing the extreme-z share (upper) and mean Φ(z) (lower and upper)."""
 
+GENERATION_BOUNDS = 2
+"""The one-sided bounds a control's completions at the generation's settings take: the
+extreme-z share (upper) and mean pit's distance from ½ (upper)."""
+
 MEAN_MARGIN_FACTOR = 2.0
 """A widened ``mean_abs_dlogprob`` is this many times the control's upper bound, so that a
 provider as noisy as the control can still be shown *below* it (the equivalence test): a
@@ -130,30 +134,63 @@ def calibrate(shipped: Margins, control: Faithful, *, confidence: float) -> tupl
     extreme = sum(s > tail for s in control.shifts)
     tail_p0 = share_interval(extreme, n, confidence=each)[1]
     bounds.append(Bound("tail_p0", extreme / n, tail_p0, shipped.tail_p0, max(shipped.tail_p0, tail_p0), n))
-    shift = shipped.sampler_shift
-    sample_tail_p0 = shipped.sample_tail_p0
-    listings = (("listed", control.z_listed, control.pit_listed), ("sample", control.z_sample, control.pit_sample))
-    for listing, zs, measured_pits in listings:
-        flagged = sum(z > shipped.sample_tail_z for z in zs)
-        upper = share_interval(flagged, n, confidence=each)[1]
-        sample_tail_p0 = max(sample_tail_p0, upper)
-        bounds.append(Bound(f"sample_tail_p0 ({listing})", flagged / n, upper, shipped.sample_tail_p0, sample_tail_p0, n))
-        pits = list(measured_pits) if measured_pits is not None else [_NORMAL.cdf(z) for z in zs]
-        low, high = mean_interval(pits, confidence=each)
-        off = max(high - 0.5, 0.5 - low)
-        shift = max(shift, off)
-        bounds.append(Bound(f"sampler_shift ({listing})", abs(statistics.fmean(pits) - 0.5), off, shipped.sampler_shift,
-                            shift, n))  # fmt: skip
-    used = shipped.model_copy(
-        update={
-            "mean_abs_dlogprob": mean_margin,
-            "tail_dlogprob": tail,
-            "tail_p0": max(shipped.tail_p0, tail_p0),
-            "sample_tail_p0": sample_tail_p0,
-            "sampler_shift": shift,
-            "sampler_equivalence": max(shipped.sampler_equivalence, shift),
-        }
-    )
+    widened = shipped.model_copy(update={"mean_abs_dlogprob": mean_margin, "tail_dlogprob": tail,
+                                         "tail_p0": max(shipped.tail_p0, tail_p0)})  # fmt: skip
+    for listing, zs, pits in (("listed", control.z_listed, control.pit_listed), ("sample", control.z_sample, control.pit_sample)):
+        widened = _sampler_bounds(widened, shipped, listing, zs, pits, each=each, into=bounds)
+    return Margins.model_validate(widened.model_dump()), bounds
+
+
+def _sampler_bounds(
+    margins: Margins, shipped: Margins, listing: str, zs: Sequence[float], pits: Sequence[float] | None, *, each: float,
+    into: list[Bound],
+) -> Margins:  # fmt: skip
+    """``margins`` with the sampler's two margins widened to the upper bounds of the extreme-z
+    share and of mean pit's distance from ½ over ``zs`` (``pits``; None: Φ(z)), each bound at
+    ``each`` and appended to ``into`` (named ``sample_tail_p0 (listing)``)."""
+    n = len(zs)
+    flagged = sum(z > margins.sample_tail_z for z in zs)
+    upper = share_interval(flagged, n, confidence=each)[1]
+    tail_p0 = max(margins.sample_tail_p0, upper)
+    into.append(Bound(f"sample_tail_p0 ({listing})", flagged / n, upper, shipped.sample_tail_p0, tail_p0, n))
+    values = list(pits) if pits is not None else [_NORMAL.cdf(z) for z in zs]
+    low, high = mean_interval(values, confidence=each)
+    off = max(high - 0.5, 0.5 - low)
+    shift = max(margins.sampler_shift, off)
+    into.append(Bound(f"sampler_shift ({listing})", abs(statistics.fmean(values) - 0.5), off, shipped.sampler_shift, shift, n))
+    return margins.model_copy(update={"sample_tail_p0": tail_p0, "sampler_shift": shift,
+                                      "sampler_equivalence": max(margins.sampler_equivalence, shift)})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One control's completions sampled at the generation's settings (its temperature and
+    ``max_tokens``, top-p 1), each ranked as the generate stage's monitor ranks a reply: under
+    the reference's top 20 at that temperature (``measurements.rank``)."""
+
+    name: str
+    z: Sequence[float]
+    pit: Sequence[float]
+
+
+def at_generation(margins: Margins, control: Sampled, *, confidence: float) -> tuple[Margins, list[Bound]]:
+    """The sampler margins the generate stage's monitor may assume of a faithful provider at
+    the generation's settings, from ``control``'s completions there: ``margins`` (verify's,
+    already calibrated) with ``sample_tail_p0`` and ``sampler_shift`` widened to the two
+    upper bounds (jointly at ``confidence``), never narrowed.
+
+    The audit samples at T 1, where a deployment's numeric noise moves the rank statistics
+    by what it moves logprobs; at the generation's T 0.7 every logit is scaled by 1/T, so the
+    same noise shifts the tempered ranks further, and the rank is exact only against the
+    reference's own tempered distribution. Neither is seen by a calibration at the audit's
+    settings. A looser margin keeps every test's null, so the monitor can bet on the audit's
+    observations and its own against these."""
+    n = len(control.z)
+    if n == 0 or len(control.pit) != n:
+        raise ValueError(f"control {control.name}: need the same number (> 0) of rank z and pits, got {n}")
+    bounds: list[Bound] = []
+    each = 1 - (1 - confidence) / GENERATION_BOUNDS
+    used = _sampler_bounds(margins, margins, "generation", control.z, control.pit, each=each, into=bounds)
     return Margins.model_validate(used.model_dump()), bounds
 
 

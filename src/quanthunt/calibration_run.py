@@ -9,12 +9,13 @@ opens the targets and writes the file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +24,13 @@ from rich.console import Console
 from rich.table import Table
 
 from quanthunt import calibration
-from quanthunt.calibration import Bound, Faithful
+from quanthunt.calibration import Bound, Faithful, Sampled
 from quanthunt.config_files import read_text
 from quanthunt.defaults import SANDBOX_MODEL
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import GatewayError
-from quanthunt.params import REFERENCE_CONTROL, SANDBOX, Decision, Margins, Params, section_digest
+from quanthunt.monitor import generation_settings, sampler_testable
+from quanthunt.params import REFERENCE_CONTROL, SANDBOX, Decision, Margins, Params, Sampling, section_digest
 from quanthunt.probes import Design, Probe, probe_seed
 from quanthunt.reference import Reference
 from quanthunt.verification import Scorer, thought_while_off, with_retries
@@ -36,6 +38,9 @@ from quanthunt.verification import Scorer, thought_while_off, with_retries
 CONTROL_SEED_OFFSET = 2
 """Control completions are seeded ``verify.seed + 2`` (providers' probes use the seed itself,
 the reference's sample-mode baselines ``+ 1``): a control never replays a provider's draw."""
+
+GENERATION_SEED_OFFSET = 3
+"""Control completions at the generation's settings are seeded ``verify.seed + 3``."""
 
 
 class _Model(BaseModel):
@@ -58,6 +63,10 @@ class Key(_Model):
     calibrate: dict[str, object]
     """What was asked to be measured: ``calibrate``'s controls, coarse build, size and
     confidence (its concurrency aside). Changed since, the calibration is stale."""
+    generation: dict[str, float | int] | None = None
+    """``generate.sampling``'s ``temperature``, ``top_p`` and ``max_tokens`` where the
+    generate stage's monitor tests the sampler there (``monitor.sampler_testable``): the
+    controls are also measured at them (``Generation``). None: it does not."""
     reference_model: str | None = None
     """The reference's model id and ``GET /version`` when it was measured; None when no
     control was (the shipped values stand)."""
@@ -74,6 +83,7 @@ class Key(_Model):
             probes={"max_tokens": p.max_tokens, "temperature": p.temperature, "top_logprobs": p.top_logprobs},
             shipped_sha256=shipped,
             calibrate=params.calibrate.model_dump(mode="json", exclude={"concurrency"}),
+            generation=generation_settings(params.generate.sampling),
         )
 
     def differences(self, other: Key) -> list[str]:
@@ -108,6 +118,29 @@ class Measured(_Model):
     """Completions beyond the shipped ``tail_dlogprob``."""
 
 
+class SamplerMeasured(_Model):
+    """What one control gave at the generation's settings."""
+
+    name: str
+    completions: int
+    failed: dict[str, int]
+    extreme_share: float
+    """Completions whose rank z is beyond ``sample_tail_z``."""
+    mean_pit: float
+
+
+class Generation(_Model):
+    """The sampler margins the generate stage's monitor bets with, measured on the controls'
+    completions at the generation's settings (``calibration.at_generation``)."""
+
+    settings: dict[str, float | int]
+    """As ``Key.generation``."""
+    controls: list[SamplerMeasured]
+    margin: Margins
+    """Verify's margins with ``sample_tail_p0`` and ``sampler_shift`` widened to the
+    controls' bounds there: what the monitor bets against."""
+
+
 class BoundRecord(_Model):
     control: str
     margin: str
@@ -132,6 +165,9 @@ class CalibrationFile(_Model):
     decision: Decision
     bounds: list[BoundRecord]
     note: str
+    generation: Generation | None = None
+    """The monitor's sampler margins at the generation's settings; None where no control was
+    measured there (the monitor then bets with ``margin``, and ``note`` says so)."""
     run_id: str = ""
 
 
@@ -204,6 +240,68 @@ async def measure(
     return Completions(faithful, failed)
 
 
+@dataclass
+class SamplerCompletions:
+    """One control's completions at the generation's settings (``Sampled``) and its failures."""
+
+    sampled: Sampled
+    failed: Counter[str]
+
+
+async def measure_at_generation(
+    deployment: Reference,
+    scorer: Scorer,
+    design: Design,
+    sampling: Sampling,
+    probes: Sequence[Probe],
+    *,
+    name: str,
+    per_prompt: int,
+    concurrency: int,
+) -> SamplerCompletions:
+    """Every completion of ``probes`` × ``per_prompt`` sampled at ``deployment`` at the
+    generation's temperature (top-p 1), ranked at the reference as the generate stage's
+    monitor ranks a reply (``scorer``: at that temperature, under the reference's top 20).
+    The rank reads a text's first ``horizon`` tokens and its stop token within them, so a
+    completion is asked for at most that many: what a longer generation budget adds is
+    never read. A completion that gives nothing to rank is counted by why."""
+    failed: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    prompts: dict[str, list[int]] = {}
+    gate = asyncio.Semaphore(concurrency)
+    max_tokens = min(sampling.max_tokens, scorer.horizon)
+
+    async def one(probe: Probe, index: int, seq: int) -> tuple[int, float, float] | None:
+        async with gate:
+            try:
+                reply = await with_retries(
+                    lambda: deployment.chat(probe.as_messages(), max_tokens=max_tokens, temperature=sampling.temperature,
+                                            top_logprobs=design.top_logprobs,
+                                            seed=probe_seed(design.seed + GENERATION_SEED_OFFSET, probe.id, index),
+                                            template_kwargs=design.reasoning.reference_kwargs()),
+                    attempts=design.max_attempts, errors=errors,
+                )  # fmt: skip
+                if thought_while_off(design.reasoning, reply, errors):
+                    failed["reasoning_not_off"] += 1
+                    return None
+                if probe.id not in prompts:
+                    prompts[probe.id] = await scorer.prompt_ids(probe.as_messages(), errors)
+                ids = await scorer.completion_ids(reply.content, reply.reasoning, reply.finish_reason, errors)
+                text = await scorer.text(prompts[probe.id], ids, errors, probe_id=probe.id, index=index, source=name,
+                                         seq=seq)  # fmt: skip
+            except GatewayError as exc:
+                failed[exc.kind] += 1
+                return None
+            if not text.tokens:
+                failed["empty_completion"] += 1
+                return None
+            return seq, text.rank_z, text.rank_pit
+
+    jobs = [one(p, i, n * per_prompt + i) for n, p in enumerate(probes) for i in range(per_prompt)]
+    done = sorted(r for r in await asyncio.gather(*jobs) if r is not None)
+    return SamplerCompletions(Sampled(name, [r[1] for r in done], [r[2] for r in done]), failed)
+
+
 def summary(name: str, url: str, completions: Completions, margin: Margins) -> Measured:
     """What a deployment with at least one measured completion gave."""
     shifts = completions.faithful.shifts
@@ -222,15 +320,20 @@ def calibrated(
     key: Key,
     controls: Mapping[str, tuple[str, Completions]],
     coarse: tuple[str, Completions] | None,
+    generation: Mapping[str, SamplerCompletions] | None = None,
 ) -> CalibrationFile:
-    """The margins and detection rates ``controls`` and ``coarse`` establish, with every bound.
+    """The margins and detection rates ``controls`` and ``coarse`` establish, with every bound,
+    and the monitor's sampler margins from the controls' completions at the generation's
+    settings (``generation``, by control; None where the key has no generation settings).
 
     Each control widens what the ones before it left (``calibration.calibrate`` never
     narrows), so the margins hold for a provider as noisy as the noisiest control. The
-    bounds hold jointly at ``calibrate.confidence``: it is split evenly over the controls and
-    the coarse build (Bonferroni), and within each as ``calibration`` splits it."""
+    bounds hold jointly at ``calibrate.confidence``: it is split evenly over the controls, the
+    coarse build and each control at the generation's settings (Bonferroni), and within each
+    as ``calibration`` splits it."""
     c = params.calibrate
-    parts = len(controls) + (coarse is not None)
+    generation = generation or {}
+    parts = len(controls) + (coarse is not None) + len(generation)
     each = 1 - (1 - c.confidence) / max(parts, 1)
     margin, decision = params.verify.margin, params.verify.decision
     records: list[BoundRecord] = []
@@ -255,6 +358,23 @@ def calibrated(
         except ValueError as exc:
             raise ConfigError(f"calibrate.coarse: {exc}") from None
         records += _records("coarse", bounds)
+    at_generation = None
+    if generation and key.generation is not None:
+        monitor_margin, sampled = margin, []
+        for name, done in generation.items():
+            z = done.sampled.z
+            if not z:
+                raise ConfigError(f"calibrate.controls.{name}: no completion at the generation's settings could be ranked "
+                                  f"({_failures(done.failed)})")  # fmt: skip
+            sampled.append(SamplerMeasured(name=name, completions=len(z), failed=dict(done.failed),
+                                           extreme_share=sum(v > margin.sample_tail_z for v in z) / len(z),
+                                           mean_pit=statistics.fmean(done.sampled.pit)))  # fmt: skip
+            try:
+                monitor_margin, bounds = calibration.at_generation(monitor_margin, done.sampled, confidence=each)
+            except ValueError as exc:
+                raise ConfigError(f"calibrate.controls.{name}: {exc}") from None
+            records += _records(name, bounds)
+        at_generation = Generation(settings=key.generation, controls=sampled, margin=monitor_margin)
     return CalibrationFile(
         key=key,
         measured=bool(controls or coarse),
@@ -264,7 +384,8 @@ def calibrated(
         margin=margin,
         decision=decision,
         bounds=records,
-        note=_note(key, measured, coarse_measured, c.confidence),
+        note=_note(key, measured, coarse_measured, c.confidence, at_generation),
+        generation=at_generation,
     )
 
 
@@ -272,7 +393,8 @@ def _failures(failed: Mapping[str, int]) -> str:
     return ", ".join(f"{kind} ×{n}" for kind, n in sorted(failed.items(), key=lambda kv: -kv[1]))
 
 
-def _note(key: Key, controls: Sequence[Measured], coarse: Measured | None, confidence: float) -> str:
+def _note(key: Key, controls: Sequence[Measured], coarse: Measured | None, confidence: float,
+          generation: Generation | None) -> str:  # fmt: skip
     shipped = f"measured on {SANDBOX_MODEL} (the sandbox's pools: benchmarks/verify_power.py)"
     if controls:
         names = ", ".join(f"{m.name} ({m.completions} completions)" for m in controls)
@@ -286,7 +408,15 @@ def _note(key: Key, controls: Sequence[Measured], coarse: Measured | None, confi
         rates = f"the mixture detection rates are the lower bounds measured on a coarse build ({coarse.completions} completions)"
     else:
         rates = f"the mixture detection rates are the shipped values, {shipped}: no coarse build was measured"
-    return f"{margins}; {rates}"
+    if key.generation is None:
+        return f"{margins}; {rates}"
+    at = f"temperature {key.generation['temperature']:g}"
+    if generation is not None:
+        monitor = (f"the monitor's sampler margins at the generation's {at} are bounded on the controls' completions "
+                   f"there ({', '.join(f'{m.name} ({m.completions})' for m in generation.controls)})")  # fmt: skip
+    else:
+        monitor = f"the monitor's sampler margins at the generation's {at} are verify's: no control was measured there"
+    return f"{margins}; {rates}; {monitor}"
 
 
 def shipped(params: Params) -> CalibrationFile:
@@ -356,14 +486,18 @@ def deployment_url(url: str, *, reference_url: str, sandbox_url: Callable[[str],
 
 def plan_lines(params: Params) -> list[str]:
     """What the calibration will ask, printed before it starts."""
-    c, p = params.calibrate, params.verify.probes
-    return [
-        f"calibrate: {c.prompts * c.completions_per_prompt} completions (≤ {p.max_tokens} tokens each) at each of "
-        f"{len(c.controls)} control(s)"
+    c, p, sampling = params.calibrate, params.verify.probes, params.generate.sampling
+    each = c.prompts * c.completions_per_prompt
+    lines = [
+        f"calibrate: {each} completions (≤ {p.max_tokens} tokens each) at each of {len(c.controls)} control(s)"
         + (" and the coarse build" if c.coarse else "")
         + f", each scored at the reference; {c.concurrency} in flight per deployment",
-        "calibrate: controls are your own deployments: no dollars are spent (nothing goes through the gateway)",
     ]
+    if c.controls and sampler_testable(sampling):
+        tokens = min(sampling.max_tokens, params.verify.decision.mixture_detection_tokens)
+        lines.append(f"calibrate: and {each} completions (≤ {tokens} tokens each) at each control at the generation's "
+                     f"temperature {sampling.temperature:g}, ranked as the monitor ranks them")  # fmt: skip
+    return [*lines, "calibrate: controls are your own deployments: no dollars are spent (nothing goes through the gateway)"]
 
 
 async def reach(deployment: Reference, model: str, *, field: str) -> None:
@@ -401,16 +535,20 @@ async def measure_all(
                         horizon=design.rank_tokens)  # fmt: skip
         await scorer.check()
 
+        @contextlib.asynccontextmanager
+        async def opened(field: str, url: str) -> AsyncIterator[Reference]:
+            if url == reference_url:
+                yield reference
+                return
+            async with Reference(url, model=model) as deployment:
+                await reach(deployment, model, field=field)
+                yield deployment
+
         async def at(field: str, name: str, url: str) -> Completions:
             started = time.monotonic()
-            if url == reference_url:
-                done = await measure(reference, scorer, design, probes, name=name, per_prompt=c.completions_per_prompt,
+            async with opened(field, url) as deployment:
+                done = await measure(deployment, scorer, design, probes, name=name, per_prompt=c.completions_per_prompt,
                                      concurrency=c.concurrency)  # fmt: skip
-            else:
-                async with Reference(url, model=model) as deployment:
-                    await reach(deployment, model, field=field)
-                    done = await measure(deployment, scorer, design, probes, name=name,
-                                         per_prompt=c.completions_per_prompt, concurrency=c.concurrency)  # fmt: skip
             failed = f" ({_failures(done.failed)} failed)" if done.failed else ""
             on_progress(f"calibrate: {name}: {len(done.faithful.shifts)} completions measured{failed} in "
                         f"{time.monotonic() - started:.0f} s")  # fmt: skip
@@ -418,8 +556,22 @@ async def measure_all(
 
         controls = {name: (c.controls[name], await at(f"calibrate.controls.{name}", name, url)) for name, url in urls.items()}
         coarse = None if coarse_target is None else (coarse_target[0], await at("calibrate.coarse", "coarse", coarse_target[1]))
+        generation: dict[str, SamplerCompletions] = {}
+        if sampler_testable(sampling := params.generate.sampling):
+            ranker = Scorer(reference, params.reasoning, top_logprobs=design.top_logprobs, attempts=design.max_attempts,
+                            horizon=design.rank_tokens, temperature=sampling.temperature)  # fmt: skip
+            for name, url in urls.items():
+                started = time.monotonic()
+                async with opened(f"calibrate.controls.{name}", url) as deployment:
+                    done = await measure_at_generation(deployment, ranker, design, sampling, probes, name=name,
+                                                       per_prompt=c.completions_per_prompt,
+                                                       concurrency=c.concurrency)  # fmt: skip
+                generation[name] = done
+                failed = f" ({_failures(done.failed)} failed)" if done.failed else ""
+                on_progress(f"calibrate: {name} at temperature {sampling.temperature:g}: {len(done.sampled.z)} "
+                            f"completions ranked{failed} in {time.monotonic() - started:.0f} s")  # fmt: skip
     key = Key.of(params).model_copy(update={"reference_model": model, "reference_server": server})
-    return calibrated(params, key, controls, coarse)
+    return calibrated(params, key, controls, coarse, generation)
 
 
 def metric_name(record: BoundRecord) -> str:

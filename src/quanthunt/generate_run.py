@@ -35,6 +35,7 @@ from quanthunt.monitoring import (
     UNLOGGED,
     Monitoring,
     check_reference,
+    monitor_margin,
     monitors_for,
     stopped_providers,
     suspect_checkpoints,
@@ -134,7 +135,7 @@ async def run(
             f"every eligible provider was stopped by its monitor ({', '.join(sorted(stopped))}); rerun verify, then generate",
             EXIT_OUT_OF_BUDGET,
         )
-    margin = verdicts.margin_or(params.verify.margin)  # the monitor bets against what verify decided with
+    margin = monitor_margin(verdicts, g.sampling, params.verify.margin)  # verify's, its sampler's at generation's settings
     monitors = monitors_for(verdicts, ledger, dataset=dataset, datasets=len(params.datasets), margin=margin,
                             settings=g.monitor, sampling=g.sampling)  # fmt: skip
     params_hash = dataset_params_hash(params)

@@ -285,6 +285,14 @@ def sampler_testable(sampling: Sampling) -> bool:
     return 0.0 < sampling.temperature <= 1.0 and sampling.top_p == 1.0
 
 
+def generation_settings(sampling: Sampling) -> dict[str, float | int] | None:
+    """The generation settings the monitor's sampler margins hold at, where it tests the
+    sampler (``calibration_run.Key.generation``, ``verdicts.Calibration.monitor_settings``)."""
+    if not sampler_testable(sampling):
+        return None
+    return {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
+
+
 def rank_temperature(sampling: Sampling) -> float:
     """The temperature the monitor's scorer ranks replies at: generation's where the sampler
     is testable, else 1 (the rank statistics then go unused)."""

@@ -17,7 +17,7 @@ from typing import Any
 from quanthunt.errors import ConfigError
 from quanthunt.gateway import GatewayError
 from quanthunt.ledger import Ledger, LedgerWriter, RequestKey, SaveMonitor
-from quanthunt.monitor import Observation, ProviderMonitor, Stop, sampler_testable
+from quanthunt.monitor import Observation, ProviderMonitor, Stop, generation_settings, sampler_testable
 from quanthunt.params import Margins, Sampling
 from quanthunt.params import Monitor as MonitorParams
 from quanthunt.reference import Reference
@@ -37,6 +37,22 @@ def stopped_providers(ledger: Ledger, verdicts: Verdicts) -> dict[str, str]:
     provider gets no more requests (for any dataset) until verify runs again."""
     saved = ledger.monitor_states(verdicts.verification_run_id or UNLOGGED)
     return {tag: dataset for (dataset, tag), state in sorted(saved.items()) if state["stopped"] is not None}
+
+
+def monitor_margin(verdicts: Verdicts, sampling: Sampling, configured: Margins) -> Margins:
+    """The margins the monitors bet against: verify's, with the sampler's widened to what the
+    calibration measured at the generation's settings (``Calibration.monitor_margin``).
+    Raises ``ConfigError`` when those were measured at other generation settings."""
+    c = verdicts.calibration
+    if c is None or c.monitor_margin is None:
+        return verdicts.margin_or(configured)
+    now, then = generation_settings(sampling) or {}, c.monitor_settings or {}
+    if differ := [f"generate.sampling.{k} {then.get(k)!r} (now {v!r})" for k, v in now.items() if then.get(k) != v]:
+        raise ConfigError(
+            f"the verdicts' monitor margins were calibrated at other generation settings: {'; '.join(differ)}. "
+            "Run `quanthunt calibrate` and `quanthunt verify` again (dvc repro) for these settings"
+        )
+    return c.monitor_margin
 
 
 def monitors_for(

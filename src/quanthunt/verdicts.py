@@ -171,6 +171,13 @@ class Calibration(_Model):
     None in a file from before they were recorded."""
     decision: Decision | None = None
     """The detection rates and the rest of ``verify.decision`` it decided with."""
+    monitor_margin: Margins | None = None
+    """The margins the generate stage's monitor bets with: ``margin`` with the sampler's
+    widened to what the controls showed at the generation's settings
+    (``calibration.at_generation``); None: ``margin`` (no control was measured there)."""
+    monitor_settings: dict[str, float | int] | None = None
+    """The generation settings ``monitor_margin`` was measured at (``temperature``,
+    ``top_p``, ``max_tokens``)."""
 
     @classmethod
     def of(
@@ -181,13 +188,17 @@ class Calibration(_Model):
         note: str = "",
         margin: Margins | None = None,
         decision: Decision | None = None,
+        monitor_margin: Margins | None = None,
+        monitor_settings: dict[str, float | int] | None = None,
     ) -> Calibration:
         """``controls``: the deployments ``calibrate`` measured the margins on, with its ``note``
         (also given when only a coarse build was measured); none: the shipped margins,
-        measured on the sandbox's model only. ``margin``, ``decision``: what verify used."""
+        measured on the sandbox's model only. ``margin``, ``decision``: what verify used;
+        ``monitor_margin``: the monitor's, measured at ``monitor_settings``."""
         if controls:
             return cls(measured_on=f"control deployments of {model}: {', '.join(controls)}", model=model,
-                       measured_for_model=True, note=note, margin=margin, decision=decision)  # fmt: skip
+                       measured_for_model=True, note=note, margin=margin, decision=decision,
+                       monitor_margin=monitor_margin, monitor_settings=monitor_settings)  # fmt: skip
         measured = model.lower() == SANDBOX_MODEL
         if not note and measured:
             note = (

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fixtures.controls import control
+from fixtures.controls import control, sampled
 from fixtures.params import changed
 from fixtures.project import Project
 from fixtures.sandbox import AUTH, roster_dict
@@ -275,7 +275,8 @@ def test_verify_decides_with_the_calibrated_margins_and_refuses_a_calibration_of
     server = httpx.get(f"{sandbox.reference_url.removesuffix('/v1')}/version").json()["version"]
     margin = changed(params.verify.margin, mean_abs_dlogprob=0.11, tail_p0=0.02)
     measured = calibrated(params, Key.of(params).model_copy(update={"reference_model": model, "reference_server": "0.1.0"}),
-                          {"second-box": ("https://box.example/v1", control("second-box", 0.01))}, None)  # fmt: skip
+                          {"second-box": ("https://box.example/v1", control("second-box", 0.01))}, None,
+                          {"second-box": sampled("second-box", z_mean=0.3)})  # fmt: skip
     path = project.root / params.paths.calibration
     path.parent.mkdir(parents=True)
     path.write_text(measured.model_copy(update={"margin": margin}).model_dump_json())
@@ -293,3 +294,6 @@ def test_verify_decides_with_the_calibrated_margins_and_refuses_a_calibration_of
     calibration = json.loads((project.root / params.paths.verdicts).read_text())["calibration"]
     assert calibration["margin"] == margin.model_dump() and calibration["measured_for_model"] is True
     assert calibration["measured_on"].endswith("second-box") and "second-box (288 completions)" in calibration["note"]
+    assert measured.generation is not None  # the monitor's margins at the generation's settings travel with the verdicts
+    assert calibration["monitor_margin"] == measured.generation.margin.model_dump() != calibration["margin"]
+    assert calibration["monitor_settings"] == measured.key.generation and measured.key.generation["temperature"] == 0.7
