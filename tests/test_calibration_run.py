@@ -91,6 +91,7 @@ def test_controls_at_the_generations_settings_set_the_monitors_sampler_margins(t
         "sample_tail_p0 (generation)", "sampler_shift (generation)"}  # fmt: skip
     assert result.margin.tail_p0 > audit_only.margin.tail_p0  # each bound at 97.5 % now, not 95 %
     assert "box (288)" in result.note and "temperature 0.7" in result.note
+    assert f"sample_tail_p0 {monitor.sample_tail_p0:.3g}, sampler_shift {monitor.sampler_shift:.3g}" in result.note
     (box,) = result.generation.controls
     assert box.completions == 288 and box.mean_pit > 0.55 and box.failed == {"timeout": 2}
     with pytest.raises(ConfigError, match=r"calibrate.controls.box: no completion at the generation's settings .*timeout ×2"):

@@ -412,8 +412,10 @@ def _note(key: Key, controls: Sequence[Measured], coarse: Measured | None, confi
         return f"{margins}; {rates}"
     at = f"temperature {key.generation['temperature']:g}"
     if generation is not None:
+        m = generation.margin
         monitor = (f"the monitor's sampler margins at the generation's {at} are bounded on the controls' completions "
-                   f"there ({', '.join(f'{m.name} ({m.completions})' for m in generation.controls)})")  # fmt: skip
+                   f"there ({', '.join(f'{c.name} ({c.completions})' for c in generation.controls)}): sample_tail_p0 "
+                   f"{m.sample_tail_p0:.3g}, sampler_shift {m.sampler_shift:.3g}")  # fmt: skip
     else:
         monitor = f"the monitor's sampler margins at the generation's {at} are verify's: no control was measured there"
     return f"{margins}; {rates}; {monitor}"
