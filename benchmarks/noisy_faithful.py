@@ -38,11 +38,11 @@ from pathlib import Path
 
 import numpy as np
 from monitor_drift import AUDIT, Batch, Setup, Stream, Table, rng_for
-from power_pools import SERVED, Item, load_pools
+from power_pools import SERVED, load_pools
 from scipy.stats import beta
-from verify_power import OBSERVATIONS_HEADER, Scores, observations, queues_of, sequential
+from verify_power import OBSERVATIONS_HEADER, Pool, Scores, faithful, observations, queues_of, sequential, split
 
-from quanthunt.calibration import Faithful, calibrate, detection
+from quanthunt.calibration import calibrate, detection
 from quanthunt.measurements import RANK_TOP_K
 from quanthunt.params import Margins, Params, load_params
 
@@ -52,18 +52,6 @@ COARSE = ("nvfp4", "20% nvfp4", "temperature +0.1", "temperature -0.1")
 CONFIDENCE = 0.95
 POOLS = ("int4-native", "int4-fp8kv", "nvfp4", "int4-bf16act", "int4-bf16act-fp8kv", "temperature +0.1", "temperature -0.1")
 """Built in this order (the most telling first: each takes minutes on 2 cores)."""
-
-Pool = dict[str, list[Item]]
-
-
-def split(pool: Pool, control: int) -> tuple[Pool, Pool]:
-    """Each probe's first ``control`` completions, and the rest."""
-    return {p: items[:control] for p, items in pool.items()}, {p: items[control:] for p, items in pool.items()}
-
-
-def faithful(name: str, pool: Pool, scores: Scores) -> Faithful:
-    shift, r5, r20 = zip(*(scores(item) for group in pool.values() for item in group), strict=True)
-    return Faithful(name, list(shift), [r.z for r in r5], [r.z for r in r20], [r.pit for r in r5], [r.pit for r in r20])
 
 
 def replay(

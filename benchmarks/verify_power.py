@@ -37,12 +37,15 @@ import numpy as np
 from power_pools import SERVED, Item, load_pools
 
 from quanthunt import distances, stats
+from quanthunt.calibration import Faithful, calibrate, detection
 from quanthunt.decision import Subject, judge
 from quanthunt.measurements import RANK_TOP_K, Audit, LogprobCompletion, Rank, SampledText, rank
 from quanthunt.params import Margins, Params, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 FAITHFUL = ("int4-native", "int4-bf16act")
+FAITHFUL_POOLS = (*FAITHFUL, "int4-fp8kv", "int4-bf16act-fp8kv")
+"""The pools a calibrated design may take as its controls (``--calibrate-on``)."""
 SUBJECTS = (
     *FAITHFUL,
     "nvfp4",
@@ -57,6 +60,9 @@ SUBJECTS = (
     "temperature -0.1",
     "forced top-p 0.9",
 )
+Pool = dict[str, list[Item]]
+"""A pool's completions by probe."""
+
 TOP_LOGPROBS = 5
 """Logprob mode's sampler check sees the reference's top 5 (``verify.probes.top_logprobs``)."""
 
@@ -81,6 +87,46 @@ class Scores:
                 rank(item.positions(RANK_TOP_K), listed=RANK_TOP_K, seed=seed, horizon=self.horizon),
             )
         return self._cache[key]
+
+
+def split(pool: Pool, control: int) -> tuple[Pool, Pool]:
+    """Each probe's first ``control`` completions (a control deployment's, measured once), and the rest."""
+    return {p: items[:control] for p, items in pool.items()}, {p: items[control:] for p, items in pool.items()}
+
+
+def faithful(name: str, pool: Pool, scores: Scores) -> Faithful:
+    """A pool's completions as ``quanthunt.calibration`` takes a control's."""
+    shift, r5, r20 = zip(*(scores(item) for group in pool.values() for item in group), strict=True)
+    return Faithful(name, list(shift), [r.z for r in r5], [r.z for r in r20], [r.pit for r in r5], [r.pit for r in r20])
+
+
+def calibrated_design(
+    params: Params, pools: dict[str, Pool], scores: Scores, *, controls: list[str], control: int, confidence: float = 0.95
+) -> tuple[Params, dict[str, Pool]]:
+    """The design the calibrate stage would give: margins bounded on ``controls``' control
+    halves (each probe's first ``control`` completions) and the mixture detection rates on
+    NVFP4's, jointly at ``confidence`` (Bonferroni, as ``calibration_run.calibrated``); and
+    every pool's other half to audit, so no row replays what it was calibrated on. Prints
+    what every row then assumes."""
+    halves = {name: split(pool, control) for name, pool in pools.items()}
+    each = 1 - (1 - confidence) / (len(controls) + 1)
+    margin, decision = params.verify.margin, params.verify.decision
+    per_probe = len(next(iter(pools["nvfp4"].values())))
+    print(f"\nCalibrated design (every row below assumes it): each pool split {control} / {per_probe - control} per probe "
+          f"into a control half and an audited half; bounds jointly at {confidence}")  # fmt: skip
+    for name in controls:
+        margin, bounds = calibrate(margin, faithful(name, halves[name][0], scores), confidence=each)
+        for b in bounds:
+            print(f"  {name:<14} {b.margin:<28} measured {b.measured:<8.4g} bound {b.bound:<8.4g} shipped {b.shipped:<7.4g} "
+                  f"used {b.used:.4g}")  # fmt: skip
+    decision, bounds = detection(decision, margin, faithful("nvfp4", halves["nvfp4"][0], scores), confidence=each)
+    for b in bounds:
+        print(f"  {'nvfp4':<14} {b.margin:<28} measured {b.measured:<8.4g} lower bound {b.bound:.4g} (shipped {b.shipped:.4g})")
+    print(f"  margins: {margin.model_dump()}")
+    verify = params.verify.model_copy(update={"margin": margin, "decision": decision})
+    audited = {name: half for name, (_, half) in halves.items()}
+    audited["reference samples"] = pools["reference samples"]  # the MMD baseline's, never audited
+    return params.model_copy(update={"verify": verify}), audited
 
 
 def draws(pool: dict[str, list[Item]], mixed: dict[str, list[Item]] | None, share: float, rng: random.Random) -> list[list[Item]]:
@@ -224,12 +270,20 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--pool", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--calibrate-on", nargs="+", choices=sorted(FAITHFUL_POOLS), metavar="POOL",
+                        help="decide with margins calibrated on these faithful pools' control halves and NVFP4's detection "
+                             f"rates, auditing the other halves (one of {', '.join(sorted(FAITHFUL_POOLS))})")  # fmt: skip
+    parser.add_argument(
+        "--control", type=int, default=6, help="with --calibrate-on: completions of each probe that are the control's"
+    )
     args = parser.parse_args()
     params = load_params(ROOT / "params.yaml")
     pools = load_pools(prompts=args.prompts, per_prompt=args.pool, tokens=args.tokens)
     scores = Scores()
     started = time.perf_counter()
     calibration(pools, scores, params)
+    if args.calibrate_on:
+        params, pools = calibrated_design(params, pools, scores, controls=args.calibrate_on, control=args.control)
 
     tally: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
     sizes: dict[tuple[str, str], list[int]] = defaultdict(list)
