@@ -42,16 +42,19 @@ from power_pools import SERVED, load_pools
 from scipy.stats import beta
 from verify_power import OBSERVATIONS_HEADER, Pool, Scores, faithful, observations, queues_of, sequential, split
 
-from quanthunt.calibration import calibrate, detection
-from quanthunt.measurements import RANK_TOP_K
+from quanthunt.calibration import Sampled, at_generation, calibrate, detection
+from quanthunt.measurements import RANK_TOP_K, rank
 from quanthunt.params import Margins, Params, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 LEVELS = ("int4-native", "int4-bf16act", "int4-fp8kv", "int4-bf16act-fp8kv")
 COARSE = ("nvfp4", "20% nvfp4", "temperature +0.1", "temperature -0.1")
 CONFIDENCE = 0.95
-POOLS = ("int4-native", "int4-fp8kv", "nvfp4", "int4-bf16act", "int4-bf16act-fp8kv", "temperature +0.1", "temperature -0.1")
+POOLS = ("int4-native", "int4-fp8kv", "nvfp4", "int4-bf16act", "int4-bf16act-fp8kv", "temperature +0.1", "temperature -0.1",
+         "int4-fp8kv at T 0.7", "int4-bf16act at T 0.7")  # fmt: skip
 """Built in this order (the most telling first: each takes minutes on 2 cores)."""
+GENERATION_T = 0.7
+"""The generate stage's default temperature, where the monitor ranks under the tempered distribution."""
 
 
 def replay(
@@ -72,7 +75,7 @@ def replay(
 
 
 def false_stops(label: str, pool: Pool, margin: Margins, *, sampler: bool, alpha: float, every: int, horizon: int,
-                args: argparse.Namespace) -> tuple[int, float]:  # fmt: skip
+                args: argparse.Namespace, temperature: float = 1.0) -> tuple[int, float]:  # fmt: skip
     """Runs (of ``--seeds``) whose generate-stage monitor stopped a faithful provider within
     ``--replies`` monitored replies, and the share whose statistic ever reached 10 (Ville: at
     most 1/10 under the null, a finer look than the stops). Each run replays a faithful audit
@@ -80,7 +83,7 @@ def false_stops(label: str, pool: Pool, margin: Margins, *, sampler: bool, alpha
     provider half (monitor_drift.py's vectorised monitor, checked there against ProviderMonitor)."""
     items = [item for group in pool.values() for item in group]
     setup = Setup("logprob", margin, alpha, every, horizon, sampler=sampler)
-    table = Table.of(items, args.tokens, setup, temperature=1.0, listed=RANK_TOP_K)  # as the monitor scores
+    table = Table.of(items, args.tokens, setup, temperature=temperature, listed=RANK_TOP_K)  # as the monitor scores
     audits = np.empty((args.seeds, table.factors.shape[1]))
     idx = np.empty((args.seeds, args.replies), dtype=np.int64)
     for run in range(args.seeds):
@@ -200,6 +203,45 @@ def main() -> None:
                 cells += f"{stopped / args.seeds:>{16 if not sampler else 19}.3f}{upper:>8.3f}{ten:>7.3f}"
             print(f"{level:<22}{label:<12}{cells}")
     print(f"  ({time.perf_counter() - started:.0f} s; monitored replies are the pools' {args.tokens}-token completions at T = 1)")
+    at_generation_rows(built, calibrated, shipped, args, params, alpha)
+
+
+def sampled(name: str, pool: Pool, horizon: int) -> Sampled:
+    """A pool's completions at the generation's temperature as the calibrate stage ranks a
+    control's there (``calibration_run.measure_at_generation``): under the reference's top 20 at T 0.7."""
+    ranks = [rank(i.positions(RANK_TOP_K), listed=RANK_TOP_K, seed=f"{i.probe}:{i.token_ids}", horizon=horizon,
+                  temperature=GENERATION_T) for group in pool.values() for i in group]  # fmt: skip
+    return Sampled(name, [r.z for r in ranks], [r.pit for r in ranks])
+
+
+def at_generation_rows(built: dict[str, Pool], calibrated: dict[str, Params], shipped: Margins, args: argparse.Namespace,
+                       params: Params, alpha: float) -> None:  # fmt: skip
+    """The monitor at the generation's T 0.7 on each faithful level with a pool there: its
+    false stops with the shipped margins, verify's calibrated ones (bounded at the audit's
+    T 1), and those widened by the level's control half at T 0.7 (``calibration.at_generation``,
+    as the calibrate stage now does), each run on the other half."""
+    levels = [level for level in LEVELS if f"{level} at T {GENERATION_T}" in built and level in calibrated]
+    if not levels:
+        return
+    horizon = params.verify.decision.mixture_detection_tokens
+    settings = params.generate.monitor
+    print(f"\nThe monitor at the generation's T {GENERATION_T} (the shipped default), shift and rank tests, on each level's "
+          f"T {GENERATION_T} pool split {args.control} / {args.pool - args.control} per probe: {args.seeds} runs of "
+          f"{args.replies} replies, the audit replayed from the same half (ranked at {GENERATION_T}: exact under the "
+          "null too)")  # fmt: skip
+    print(f"{'level':<22}{'margins':<34}{'sample_tail_p0':>15}{'sampler_shift':>14}{'stopped':>9}{'CP up':>8}{'>= 10':>7}")
+    for level in levels:
+        control, provider = split(built[f"{level} at T {GENERATION_T}"], args.control)
+        audit_margin = calibrated[level].verify.margin
+        widened, _ = at_generation(audit_margin, sampled(level, control, horizon), confidence=CONFIDENCE)
+        for label, margin in (("shipped", shipped), ("calibrated at T 1 (verify's)", audit_margin),
+                              (f"+ control at T {GENERATION_T} (monitor's)", widened)):  # fmt: skip
+            stopped, ten = false_stops(f"{level}:{label}:T{GENERATION_T}", provider, margin, sampler=True, alpha=alpha,
+                                       every=settings.checkpoint_every, horizon=horizon, args=args,
+                                       temperature=GENERATION_T)  # fmt: skip
+            upper = float(beta.ppf(0.975, stopped + 1, args.seeds - stopped))
+            print(f"{level:<22}{label:<34}{margin.sample_tail_p0:>15.4g}{margin.sampler_shift:>14.4g}"
+                  f"{stopped / args.seeds:>9.3f}{upper:>8.3f}{ten:>7.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

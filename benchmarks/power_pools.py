@@ -65,6 +65,7 @@ SERVED = {
     "forced top-p 0.9": Served("int4-native", top_p=0.9),
     "nvfp4 at T 0.7": Served("nvfp4", temperature=0.7),
     "int4-bf16act at T 0.7": Served("int4-bf16act", temperature=0.7),
+    "int4-fp8kv at T 0.7": Served("int4-fp8kv", temperature=0.7),
 }
 """Every pool: ``reference samples`` is the reference's own text (another seed), for the
 MMD baseline; the rest are providers."""
