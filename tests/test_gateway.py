@@ -25,9 +25,9 @@ from quanthunt.gateway import (
     parse_chat_reply,
     resolve_api_key,
     retry_after_seconds,
-    same_provider,
 )
 from quanthunt.generation import OUT_OF_MONEY
+from quanthunt.replies import same_provider
 from quanthunt.sandbox.app import create_app
 from quanthunt.sandbox.engine import LatencyEngine
 from quanthunt.sandbox.roster import Roster, load_roster

@@ -39,9 +39,9 @@ from typing import Literal
 import numpy as np
 
 from quanthunt import distances, sequential, stats
-from quanthunt.gateway import same_provider
 from quanthunt.measurements import Audit
 from quanthunt.params import Decision, Margins
+from quanthunt.replies import same_provider
 from quanthunt.verdicts import Estimate, Observed, ProviderVerdict, TestResult, Verdict
 
 _STANDARD_NORMAL = statistics.NormalDist()

@@ -286,13 +286,6 @@ class Routing:
         return dataclasses.replace(self, only=(tag,), ignore=variants or None, allow_fallbacks=False, require_parameters=True)
 
 
-def same_provider(named: str | None, provider_name: str, tag: str) -> bool:
-    """Whether a reply's ``provider`` field names the endpoint's provider: OpenRouter
-    spells it as the display name (``DeepInfra``) or the slug (``deepinfra``), in any case."""
-    wanted = (named or "").strip().lower()
-    return bool(wanted) and wanted in (provider_name.lower(), tag.split("/", maxsplit=1)[0].lower())
-
-
 def read_timeout_s(base_s: float, max_tokens: int) -> float:
     """How long to wait for a non-streamed reply: ``base_s`` (queueing, time to the first
     token) plus ``max_tokens`` at ``GATEWAY_SLOWEST_TOKENS_PER_S``.

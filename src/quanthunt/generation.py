@@ -50,14 +50,14 @@ from typing import Any, Protocol
 from quanthunt.congestion import AdaptiveLimit
 from quanthunt.defaults import GATEWAY_UNREACHABLE_S
 from quanthunt.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_BUDGET, QuanthuntError
-from quanthunt.gateway import TRANSIENT, GatewayError, chat_body, same_provider
+from quanthunt.gateway import TRANSIENT, GatewayError, chat_body
 from quanthunt.jobs import Eligible, Job, Progress
 from quanthunt.ledger import Earlier, FinishAttempt, Ledger, LedgerWriter, RequestKey, StartAttempt
 from quanthunt.monitoring import LOGPROB_TOP, Event, Monitoring
 from quanthunt.prompts import PromptRecord, next_request, skeleton
 from quanthunt.reconciliation import Lookup, look_up
 from quanthunt.records import record_line
-from quanthunt.replies import ChatReply
+from quanthunt.replies import ChatReply, same_provider
 
 BILLED_UNKNOWN = frozenset({"timeout", "disconnect", "malformed", "unexpected_reply", "transport"})
 """Failures after the request left: the gateway may have generated (and billed) it."""

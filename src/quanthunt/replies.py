@@ -185,3 +185,10 @@ class Generation(_Reply):
     tokens_completion: Count | None = None
     finish_reason: str | None = None
     provider_responses: list[dict[str, Any]] | None = None
+
+
+def same_provider(named: str | None, provider_name: str, tag: str) -> bool:
+    """Whether a reply's ``provider`` field names the endpoint's provider: OpenRouter
+    spells it as the display name (``DeepInfra``) or the slug (``deepinfra``), in any case."""
+    wanted = (named or "").strip().lower()
+    return bool(wanted) and wanted in (provider_name.lower(), tag.split("/", maxsplit=1)[0].lower())

@@ -12,7 +12,7 @@ import pytest
 from fixtures.sandbox import AUTH, KEY, MODEL_ID
 from openai import OpenAI
 
-from quanthunt.gateway import same_provider
+from quanthunt.replies import same_provider
 from quanthunt.sandbox.server import SandboxProcess
 
 pytestmark = pytest.mark.model
