@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-from quanthunt.defaults import GATEWAY_TIMEOUT
+from quanthunt.defaults import GATEWAY_CONNECT_TIMEOUT_S, GATEWAY_READ_TIMEOUT_S
 from quanthunt.gateway import (
     ApiKey,
     GatewayError,
@@ -37,8 +37,8 @@ class AiohttpChat:
     Usage: ``async with AiohttpChat(url, api_key=key) as chat: reply = await chat.chat(body)``
     """
 
-    def __init__(self, base_url: str, *, api_key: ApiKey, timeout_s: float = GATEWAY_TIMEOUT.read or 180.0,
-                 connect_timeout_s: float = GATEWAY_TIMEOUT.connect or 10.0) -> None:  # fmt: skip
+    def __init__(self, base_url: str, *, api_key: ApiKey, timeout_s: float = GATEWAY_READ_TIMEOUT_S,
+                 connect_timeout_s: float = GATEWAY_CONNECT_TIMEOUT_S) -> None:  # fmt: skip
         self.base_url, self.host = gateway_url(base_url)
         self._api_key = api_key
         self._timeout_s = timeout_s

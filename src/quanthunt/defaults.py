@@ -21,8 +21,12 @@ SANDBOX_GENERATIONS_KEPT = 500_000
 
 # -- the gateway client --------------------------------------------------------------
 
-GATEWAY_TIMEOUT = httpx.Timeout(connect=10.0, read=180.0, write=30.0, pool=60.0)
+GATEWAY_READ_TIMEOUT_S = 180.0
 """Reads wait long: a provider may take minutes for a long completion."""
+GATEWAY_CONNECT_TIMEOUT_S = 10.0
+GATEWAY_TIMEOUT = httpx.Timeout(connect=GATEWAY_CONNECT_TIMEOUT_S, read=GATEWAY_READ_TIMEOUT_S, write=30.0, pool=60.0)
+"""The httpx client's (survey, verification, the reference); generation's aiohttp client
+takes the same read and connect timeouts."""
 GATEWAY_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=50)
 """For the survey and verification; generation uses its own transport for 2,000 in flight."""
 GATEWAY_GET_ATTEMPTS = 4
@@ -42,3 +46,10 @@ VLLM_STARTUP_TIMEOUT_S = 420.0
 """A real vLLM on 2 CPU cores is ready in ~50 s with --enforce-eager (150-220 s compiling)."""
 VLLM_PORT = 8011
 """Where ``quanthunt reference vllm`` serves by default."""
+
+# -- the reference -------------------------------------------------------------------
+
+REFERENCE_RENDER_CONCURRENCY = 16
+"""Chat templates rendered at the reference at once when validate counts every exported
+turn's prompt tokens (``templates.count_prompts``): tokenizing is cheap, and 16 keeps a
+shared reference's queue short."""

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from quanthunt.defaults import REFERENCE_RENDER_CONCURRENCY
 from quanthunt.errors import QuanthuntError
 from quanthunt.gateway import GatewayError
 from quanthunt.reference import Reference, ReferenceUnusable
@@ -128,7 +129,7 @@ async def count_prompts(
     records: Sequence[Mapping[str, Any]],
     template_kwargs: Mapping[str, Any] | None,
     *,
-    concurrency: int = 16,
+    concurrency: int = REFERENCE_RENDER_CONCURRENCY,
 ) -> dict[tuple[str, int], int]:
     """(record id, turn) → the token count of that turn's request rendered by the
     reference's chat template, for every assistant turn of ``records`` (final rows)."""
