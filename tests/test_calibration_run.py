@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fixtures.controls import coarse, control, sampled
-from fixtures.params import SHIPPED
+from fixtures.params import SHIPPED, changed
 
 from quanthunt.calibration import Faithful, Sampled
 from quanthunt.calibration_run import (
@@ -78,12 +78,12 @@ def test_controls_at_the_generations_settings_set_the_monitors_sampler_margins(t
     showed at the generation's temperature; verify decides with its own, and the confidence
     is split over one more part."""
     key = Key.of(SHIPPED)
-    assert key.generation == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 384}
     noisy = {"box": ("reference", control("box", 0.02))}
     audit_only = calibrated(SHIPPED, key, noisy, None)
     assert audit_only.generation is None and "no control was measured there" in audit_only.note
     result = calibrated(SHIPPED, key, noisy, None, {"box": sampled("box", z_mean=0.4)})
-    assert result.generation is not None and result.generation.settings == key.generation
+    assert result.generation is not None
+    assert result.generation.settings == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 384}
     monitor = result.generation.margin
     assert monitor.sampler_shift > result.margin.sampler_shift and monitor.sample_tail_p0 > result.margin.sample_tail_p0
     assert monitor.mean_abs_dlogprob == result.margin.mean_abs_dlogprob and monitor.tail_p0 == result.margin.tail_p0
@@ -96,6 +96,16 @@ def test_controls_at_the_generations_settings_set_the_monitors_sampler_margins(t
     assert box.completions == 288 and box.mean_pit > 0.55 and box.failed == {"timeout": 2}
     with pytest.raises(ConfigError, match=r"calibrate.controls.box: no completion at the generation's settings .*timeout ×2"):
         calibrated(SHIPPED, key, noisy, None, {"box": SamplerCompletions(Sampled("box", [], []), Counter(timeout=2))})
+
+
+def test_a_new_generation_temperature_keeps_verifys_calibration(tmp_path: Path) -> None:
+    """Verify's margins do not depend on how generation samples: a temperature experiment
+    needs no new audit (the monitor's margins are checked by generate, ``test_monitoring``)."""
+    write(tmp_path, SHIPPED, shipped(SHIPPED).model_dump_json())
+    hotter = SHIPPED.model_copy(update={"generate": changed(SHIPPED.generate, sampling=changed(SHIPPED.generate.sampling,
+                                                                                              temperature=0.8))})  # fmt: skip
+    params, _ = applied(hotter, tmp_path)
+    assert params.verify.margin == SHIPPED.verify.margin
 
 
 def test_two_controls_split_the_confidence_and_the_noisier_one_sets_the_margin() -> None:
@@ -116,8 +126,6 @@ def test_two_controls_split_the_confidence_and_the_noisier_one_sets_the_margin()
         ("reasoning.mode", "off", "reasoning"),
         ("calibrate.prompts", 12, "calibrate.prompts 24 (now 12)"),
         ("calibrate.controls", {"box": "reference"}, "calibrate.controls.box None (now 'reference')"),
-        ("generate.sampling.temperature", 0.8, "generation.temperature 0.7 (now 0.8)"),
-        ("generate.sampling.max_tokens", 512, "generation.max_tokens 384 (now 512)"),
     ],
 )
 def test_a_calibration_made_for_other_settings_is_refused_naming_the_file_and_the_setting(

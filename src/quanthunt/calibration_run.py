@@ -63,10 +63,6 @@ class Key(_Model):
     calibrate: dict[str, object]
     """What was asked to be measured: ``calibrate``'s controls, coarse build, size and
     confidence (its concurrency aside). Changed since, the calibration is stale."""
-    generation: dict[str, float | int] | None = None
-    """``generate.sampling``'s ``temperature``, ``top_p`` and ``max_tokens`` where the
-    generate stage's monitor tests the sampler there (``monitor.sampler_testable``): the
-    controls are also measured at them (``Generation``). None: it does not."""
     reference_model: str | None = None
     """The reference's model id and ``GET /version`` when it was measured; None when no
     control was (the shipped values stand)."""
@@ -83,7 +79,6 @@ class Key(_Model):
             probes={"max_tokens": p.max_tokens, "temperature": p.temperature, "top_logprobs": p.top_logprobs},
             shipped_sha256=shipped,
             calibrate=params.calibrate.model_dump(mode="json", exclude={"concurrency"}),
-            generation=generation_settings(params.generate.sampling),
         )
 
     def differences(self, other: Key) -> list[str]:
@@ -134,7 +129,11 @@ class Generation(_Model):
     completions at the generation's settings (``calibration.at_generation``)."""
 
     settings: dict[str, float | int]
-    """As ``Key.generation``."""
+    """``generate.sampling``'s ``temperature``, ``top_p`` and ``max_tokens`` it was measured
+    at (``monitor.generation_settings``). Not part of the ``Key``: verify's margins do not
+    depend on them, so a new generation temperature needs no new audit; generate refuses
+    verdicts whose monitor margins were measured at other settings
+    (``monitoring.monitor_margin``)."""
     controls: list[SamplerMeasured]
     margin: Margins
     """Verify's margins with ``sample_tail_p0`` and ``sampler_shift`` widened to the
@@ -324,7 +323,7 @@ def calibrated(
 ) -> CalibrationFile:
     """The margins and detection rates ``controls`` and ``coarse`` establish, with every bound,
     and the monitor's sampler margins from the controls' completions at the generation's
-    settings (``generation``, by control; None where the key has no generation settings).
+    settings (``generation``, by control; none where the monitor does not test the sampler).
 
     Each control widens what the ones before it left (``calibration.calibrate`` never
     narrows), so the margins hold for a provider as noisy as the noisiest control. The
@@ -359,7 +358,8 @@ def calibrated(
             raise ConfigError(f"calibrate.coarse: {exc}") from None
         records += _records("coarse", bounds)
     at_generation = None
-    if generation and key.generation is not None:
+    settings = generation_settings(params.generate.sampling)
+    if generation and settings is not None:
         monitor_margin, sampled = margin, []
         for name, done in generation.items():
             z = done.sampled.z
@@ -374,7 +374,7 @@ def calibrated(
             except ValueError as exc:
                 raise ConfigError(f"calibrate.controls.{name}: {exc}") from None
             records += _records(name, bounds)
-        at_generation = Generation(settings=key.generation, controls=sampled, margin=monitor_margin)
+        at_generation = Generation(settings=settings, controls=sampled, margin=monitor_margin)
     return CalibrationFile(
         key=key,
         measured=bool(controls or coarse),
@@ -384,7 +384,7 @@ def calibrated(
         margin=margin,
         decision=decision,
         bounds=records,
-        note=_note(key, measured, coarse_measured, c.confidence, at_generation),
+        note=_note(key, measured, coarse_measured, c.confidence, settings=settings, generation=at_generation),
         generation=at_generation,
     )
 
@@ -393,8 +393,8 @@ def _failures(failed: Mapping[str, int]) -> str:
     return ", ".join(f"{kind} ×{n}" for kind, n in sorted(failed.items(), key=lambda kv: -kv[1]))
 
 
-def _note(key: Key, controls: Sequence[Measured], coarse: Measured | None, confidence: float,
-          generation: Generation | None) -> str:  # fmt: skip
+def _note(key: Key, controls: Sequence[Measured], coarse: Measured | None, confidence: float, *,
+          settings: Mapping[str, float | int] | None, generation: Generation | None) -> str:  # fmt: skip
     shipped = f"measured on {SANDBOX_MODEL} (the sandbox's pools: benchmarks/verify_power.py)"
     if controls:
         names = ", ".join(f"{m.name} ({m.completions} completions)" for m in controls)
@@ -408,9 +408,9 @@ def _note(key: Key, controls: Sequence[Measured], coarse: Measured | None, confi
         rates = f"the mixture detection rates are the lower bounds measured on a coarse build ({coarse.completions} completions)"
     else:
         rates = f"the mixture detection rates are the shipped values, {shipped}: no coarse build was measured"
-    if key.generation is None:
+    if settings is None:
         return f"{margins}; {rates}"
-    at = f"temperature {key.generation['temperature']:g}"
+    at = f"temperature {settings['temperature']:g}"
     if generation is not None:
         m = generation.margin
         monitor = (f"the monitor's sampler margins at the generation's {at} are bounded on the controls' completions "

@@ -50,7 +50,8 @@ def monitor_margin(verdicts: Verdicts, sampling: Sampling, configured: Margins) 
     if differ := [f"generate.sampling.{k} {then.get(k)!r} (now {v!r})" for k, v in now.items() if then.get(k) != v]:
         raise ConfigError(
             f"the verdicts' monitor margins were calibrated at other generation settings: {'; '.join(differ)}. "
-            "Run `quanthunt calibrate` and `quanthunt verify` again (dvc repro) for these settings"
+            "Run `quanthunt calibrate` and then `quanthunt verify` again for these settings (with DVC: "
+            "`dvc repro --force calibrate`, then `dvc repro`)"
         )
     return c.monitor_margin
 

@@ -296,4 +296,5 @@ def test_verify_decides_with_the_calibrated_margins_and_refuses_a_calibration_of
     assert calibration["measured_on"].endswith("second-box") and "second-box (288 completions)" in calibration["note"]
     assert measured.generation is not None  # the monitor's margins at the generation's settings travel with the verdicts
     assert calibration["monitor_margin"] == measured.generation.margin.model_dump() != calibration["margin"]
-    assert calibration["monitor_settings"] == measured.key.generation and measured.key.generation["temperature"] == 0.7
+    assert measured.generation.settings["temperature"] == 0.7
+    assert calibration["monitor_settings"] == measured.generation.settings
