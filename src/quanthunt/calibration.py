@@ -179,12 +179,11 @@ def at_generation(margins: Margins, control: Sampled, *, confidence: float) -> t
     already calibrated) with ``sample_tail_p0`` and ``sampler_shift`` widened to the two
     upper bounds (jointly at ``confidence``), never narrowed.
 
-    The audit samples at T 1, where a deployment's numeric noise moves the rank statistics
-    by what it moves logprobs; at the generation's T 0.7 every logit is scaled by 1/T, so the
-    same noise shifts the tempered ranks further, and the rank is exact only against the
-    reference's own tempered distribution. Neither is seen by a calibration at the audit's
-    settings. A looser margin keeps every test's null, so the monitor can bet on the audit's
-    observations and its own against these."""
+    The audit samples at T 1; at the generation's T 0.7 every logit is scaled by 1/T and the
+    texts keep to likelier tokens, so a deployment's noise may move the tempered ranks more
+    or less than the audit saw (on the sandbox's fp8 KV, less: ``benchmarks/noisy_faithful.py``),
+    and only a measurement there says which. A looser margin keeps every test's null, so the
+    monitor can bet on the audit's observations and its own against these."""
     n = len(control.z)
     if n == 0 or len(control.pit) != n:
         raise ValueError(f"control {control.name}: need the same number (> 0) of rank z and pits, got {n}")
